@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop strings, for streaming text deltas.
+
+Contract: ``push`` returns only text that is final: never half of a multi-byte character, and
+never a tail that might still turn out to be the start of a stop string. When a stop string
+appears, the text is cut just before it (OpenAI semantics) and ``stopped`` becomes True.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decoder: Decoder, stop: Sequence[str] = ()):
+        self._decoder = decoder
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of the decoded text already returned
+        self.text = ""  # everything decoded so far (cut at a stop string once stopped)
+        self.stopped = False
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the newly final text."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        self.text = self._decoder.decode(self._ids)
+        hit = self._find_stop()
+        if hit is not None:
+            self.text = self.text[:hit]
+            self.stopped = True
+            return self._release(len(self.text))
+        if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
+            return ""
+        return self._release(len(self.text) - self._held_back())
+
+    def flush(self) -> str:
+        """At the end of the request: whatever was held back."""
+        return self._release(len(self.text))
+
+    def _find_stop(self) -> int | None:
+        window = max((len(s) for s in self._stop), default=0)
+        start = max(0, self._emitted - window)
+        hits = [i for s in self._stop if (i := self.text.find(s, start)) != -1]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest tail that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self._emitted)
+        delta = self.text[self._emitted : upto]
+        self._emitted = upto
+        return delta

@@ -1,0 +1,87 @@
+"""A request's life in the engine, as counters rather than phases.
+
+Prefill, chunked prefill, prefix hit and decode all mean the same thing: compute
+``num_tokens - num_computed_tokens`` more tokens, capped by the step's budget::
+
+    | prefix-cache hit | computed by us | scheduled this step | not yet computed |
+    0                  num_cached       num_computed_tokens               num_tokens
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens, or the model's context is full
+    ABORT = "abort"  # the client cancelled
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Identity-hashed so it can sit in sets; owned by the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_seq: int  # order of submission; FCFS and tie-breaks use it
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cache_handle: object | None = None  # locked prefix-cache entry while running
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must have at least one token")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output, without copying the rest."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token is still to compute (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1

@@ -1,0 +1,78 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV pool, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from shared.engine.kv.block_pool import NULL_BLOCK
+from shared.engine.kv.manager import SlotCopy
+from shared.engine.scheduler import SchedulerOutput
+from shared.model.llama import KVCache, LlamaModel
+
+
+class ModelRunner:
+    """Holds the model and its KV pool: one (K, V) pair of tensors per layer."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        self.model = model
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # NOTE: one buffer per layer, not one [L, ...] tensor: in-place writes into slices of a
+        # single buffer get functionalized into whole-buffer copies under torch.compile.
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step. Returns logits [num_sampled, vocab] float32, one row per chunk with
+        ``sample`` set, in ``out.chunks`` order."""
+        self._copy_slots(out.copies)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in out.chunks:
+            input_ids += chunk.token_ids
+            positions += range(chunk.start, chunk.end)
+            slots += self._slots(chunk.block_table, chunk.start, chunk.end)
+            if chunk.sample:
+                sample_rows.append(len(input_ids) - 1)
+        bs = self.block_size
+        meta = AttentionMetadata.build(
+            decode_block_tables=[c.block_table[: -(-c.end // bs)] for c in out.decodes],
+            decode_context_lens=[c.end for c in out.decodes],
+            prefills=[(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in out.prefills],
+            slot_mapping=slots,
+            block_size=bs,
+            null_block=NULL_BLOCK,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            self.kv_caches,
+            meta,
+        )
+        return self.model.logits(hidden[sample_rows])
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _copy_slots(self, copies: list[SlotCopy]) -> None:
+        """Copy-on-write of partially matched prefix blocks, all layers at once per tensor."""
+        if not copies:
+            return
+        src = torch.tensor([s for c in copies for s in c.src], dtype=torch.int64)
+        dst = torch.tensor([d for c in copies for d in c.dst], dtype=torch.int64)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst] = flat[src]
