@@ -1,0 +1,43 @@
+"""A loaded model: config, float32 weights under HF names, and tokenizer -- whatever the file format."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.model.model_config import ModelConfig
+from shared.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything needed to build and drive a model.
+
+    `weights` uses HF parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...), float32 on
+    CPU, in torch layout ([out_features, in_features]). `lm_head.weight` is absent exactly when
+    `config.tie_word_embeddings` is True: the output projection is `model.embed_tokens.weight`.
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: Path
+
+
+def load_checkpoint(path: Path | str) -> Checkpoint:
+    """Load a `.gguf` file or a HF folder (one holding `config.json`).
+
+    Raises FileNotFoundError when `path` does not exist, ValueError when it is neither.
+    """
+    # NOTE: imported here because both loaders import Checkpoint from this module.
+    from shared.model.gguf_loader import load_gguf
+    from shared.model.hf_loader import load_hf_folder
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_folder(path)
+    raise ValueError(f"{path}: expected a .gguf file or a HF model folder containing config.json")
