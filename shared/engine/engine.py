@@ -237,6 +237,8 @@ class Engine:
                 reason = FinishReason.STOP
             if reason is not None:
                 text += detok.flush()
+        if reason is not None:
+            req.finish_time = time.perf_counter()
         delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason)
         self._pending[req.request_id].append(delta)
         return delta
