@@ -8,13 +8,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from cloudd.trace import bundled_trace  # noqa: E402
+from shared.config import load_engine_config  # noqa: E402
 from shared.engine.engine_config import EngineConfig  # noqa: E402
-from shared.engine.scheduler import SchedulerConfig  # noqa: E402
 
 
 def _comma_list(choices: tuple[str, ...]):
@@ -29,20 +30,24 @@ def _comma_list(choices: tuple[str, ...]):
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="daemon TOML ([engine], [scheduler]); flags override it")
     p.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=8192, help="KV pool size in blocks")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-batched-tokens", type=int)
 
 
 def _engine_config(args) -> EngineConfig:
-    return EngineConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        dtype=args.dtype,
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens),
+    """The config file (or defaults), then any flag given on the command line."""
+    base = load_engine_config(args.config) if args.config else EngineConfig(num_blocks=8192)
+    engine = {"dtype": args.dtype, "block_size": args.block_size, "num_blocks": args.num_blocks}
+    scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
+    return dataclasses.replace(
+        base,
+        **{k: v for k, v in engine.items() if v is not None},
+        scheduler=dataclasses.replace(base.scheduler, **{k: v for k, v in scheduler.items() if v is not None}),
     )
 
 

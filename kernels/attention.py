@@ -1,4 +1,4 @@
-"""Paged attention, plain-torch reference (the CPU path and the twin of any GPU kernel).
+"""Paged attention, plain torch (the CPU path and the reference twin of any GPU kernel).
 
 KV lives in per-layer pools ``k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]``.
 The token at position ``p`` of a sequence sits at slot
@@ -9,15 +9,26 @@ tokens of each *prefill* segment (a chunk of a prompt, after any cached prefix):
 
     | decode 0 | decode 1 | ... | prefill A (n_A tokens) | prefill B (n_B tokens) | ...
 
-All masks are built once per step (``AttentionMetadata``), not per layer.
+Decode attention is a two-level cascade. Robots of one type share a long system prompt, and
+the radix cache makes their requests share its *physical* blocks; those blocks are read once
+for all the decode rows that share them (all their queries against one K/V), each row's own
+suffix is gathered per row, and the two partial softmaxes are merged by log-sum-exp::
+
+    row r:  | shared prefix blocks (read once per group) | own suffix blocks (gathered) |
+
+All index tensors and masks are built once per step (``AttentionMetadata``), not per layer.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# Returns (output, logsumexp); the public SDPA does not expose the logsumexp a merge needs.
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass(frozen=True)
@@ -35,13 +46,22 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Decode rows whose block tables start with the same physical blocks."""
+
+    rows: torch.Tensor  # [n] int64, decode rows (n >= 2)
+    block_ids: torch.Tensor  # [p] int64, the shared leading blocks
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's K/V go and what each query may see."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: KV slot of each new token
     num_decodes: int  # the first num_decodes rows are decode queries, one per sequence
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64; padded with NULL_BLOCK
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_suffix_tables: torch.Tensor  # [num_decodes, max_blocks] int64; padded with null block
+    decode_suffix_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] float 0/-inf
+    shared_prefixes: tuple[SharedPrefix, ...]
     prefills: tuple[PrefillSegment, ...]
 
     @staticmethod
@@ -62,37 +82,77 @@ class AttentionMetadata:
             prefills: per prefill segment ``(block_table, num_cached, num_new)``; the segment's
                 rows follow the decode rows in this order.
         """
-        num_decodes = len(decode_block_tables)
-        max_blocks = max((len(t) for t in decode_block_tables), default=0)
-        tables = torch.full((num_decodes, max_blocks), null_block, dtype=torch.int64)
-        for i, table in enumerate(decode_block_tables):
+        groups = _shared_prefix_groups(decode_block_tables, decode_context_lens, block_size)
+        skip = [0] * len(decode_block_tables)  # shared blocks each decode row skips
+        for rows, num_blocks in groups:
+            for r in rows:
+                skip[r] = num_blocks
+        suffixes = [t[s:] for t, s in zip(decode_block_tables, skip, strict=True)]
+        max_blocks = max((len(t) for t in suffixes), default=0)
+        tables = torch.full((len(suffixes), max_blocks), null_block, dtype=torch.int64)
+        for i, table in enumerate(suffixes):
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        lens = torch.tensor(decode_context_lens, dtype=torch.int64)
-        key_pos = torch.arange(max_blocks * block_size)
-        decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
-
-        segments = []
-        start = num_decodes
-        for table, num_cached, num_new in prefills:
-            context_len = num_cached + num_new
-            query_pos = torch.arange(num_cached, context_len)
-            mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
-            segments.append(
-                PrefillSegment(
-                    start=start,
-                    num_new=num_new,
-                    block_table=torch.tensor(table, dtype=torch.int64, device=device),
-                    mask=mask.to(device),
-                )
-            )
-            start += num_new
+        suffix_lens = torch.tensor(
+            [n - s * block_size for n, s in zip(decode_context_lens, skip, strict=True)], dtype=torch.int64
+        )
+        visible = torch.arange(max_blocks * block_size)[None, :] < suffix_lens[:, None]
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
         return AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            num_decodes=num_decodes,
-            decode_block_tables=tables.to(device),
-            decode_mask=decode_mask.to(device),
-            prefills=tuple(segments),
+            num_decodes=len(decode_block_tables),
+            decode_suffix_tables=tables.to(device),
+            decode_suffix_mask=mask.to(device),
+            shared_prefixes=tuple(
+                SharedPrefix(
+                    rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                    block_ids=torch.tensor(decode_block_tables[rows[0]][:n], dtype=torch.int64, device=device),
+                )
+                for rows, n in groups
+            ),
+            prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), device)),
         )
+
+
+def _shared_prefix_groups(
+    tables: list[list[int]], context_lens: list[int], block_size: int
+) -> list[tuple[list[int], int]]:
+    """(rows, number of shared leading blocks) for each set of >= 2 rows with a common first
+    block. Only blocks wholly before each row's newest token are shared (that block is private)."""
+    by_first: dict[int, list[int]] = defaultdict(list)
+    for row, table in enumerate(tables):
+        by_first[table[0]].append(row)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        n = min((context_lens[r] - 1) // block_size for r in rows)
+        first = tables[rows[0]]
+        for r in rows[1:]:
+            n = min(n, _common_len(first, tables[r], n))
+        if n > 0:
+            groups.append((rows, n))
+    return groups
+
+
+def _common_len(a: list[int], b: list[int], limit: int) -> int:
+    i = 0
+    while i < limit and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _prefill_segments(prefills: list[tuple[list[int], int, int]], start: int, device):
+    for table, num_cached, num_new in prefills:
+        context_len = num_cached + num_new
+        query_pos = torch.arange(num_cached, context_len)
+        mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+        yield PrefillSegment(
+            start=start,
+            num_new=num_new,
+            block_table=torch.tensor(table, dtype=torch.int64, device=device),
+            mask=mask.to(device),
+        )
+        start += num_new
 
 
 def write_kv(
@@ -110,8 +170,10 @@ def write_kv(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[..., nb] block ids -> [..., nb * block_size, kv_heads, head_dim] contiguous K or V."""
-    gathered = cache[block_table]  # [..., nb, block_size, kv_heads, head_dim]
-    return gathered.flatten(-4, -3)
+    # NOTE: index_select over 2-D rows (one block each) is a parallel memcpy; over the 4-D
+    # tensor it is several times slower on CPU.
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_table.flatten())
+    return rows.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def paged_attention(
@@ -123,18 +185,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Attention of every query over its sequence's paged context (new K/V already written)."""
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [nd, kvh, L, D]
-        v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
-        out[:nd] = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2),  # [nd, H, 1, D]
-            k,
-            v,
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=True,
-        ).squeeze(2)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_new)
         k = _gather(k_cache, seg.block_table)[: seg.context_len].transpose(0, 1)  # [kvh, L, D]
@@ -148,3 +200,32 @@ def paged_attention(
             enable_gqa=True,
         ).transpose(0, 1)
     return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per row; GQA by folding each KV head's query group into the query length."""
+    nd, heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    qg = q.view(nd, kvh, heads // kvh, dim)  # [nd, kvh, g, D]: kv head i serves query heads i*g..
+    k = _gather(k_cache, meta.decode_suffix_tables).transpose(1, 2)  # [nd, kvh, S, D]
+    v = _gather(v_cache, meta.decode_suffix_tables).transpose(1, 2)
+    out, lse = _flash_with_lse(qg, k, v, attn_mask=meta.decode_suffix_mask, scale=scale)
+    for shared in meta.shared_prefixes:
+        _merge_shared_prefix(out, lse, qg, k_cache, v_cache, shared, scale)
+    return out.reshape(nd, heads, dim)
+
+
+def _merge_shared_prefix(out, lse, qg, k_cache, v_cache, shared: SharedPrefix, scale: float) -> None:
+    """Attend ``shared.rows`` to their common blocks in one call; fold into ``out``/``lse``."""
+    n, (_, kvh, g, dim) = len(shared.rows), qg.shape
+    k = _gather(k_cache, shared.block_ids).transpose(0, 1)[None]  # [1, kvh, P, D]
+    v = _gather(v_cache, shared.block_ids).transpose(0, 1)[None]
+    q = qg[shared.rows].transpose(0, 1).reshape(1, kvh, n * g, dim)  # every row's queries at once
+    out_p, lse_p = _flash_with_lse(q, k, v, scale=scale)
+    out_p = out_p.view(kvh, n, g, dim).transpose(0, 1)  # [n, kvh, g, D]
+    lse_p = lse_p.view(kvh, n, g).transpose(0, 1)  # [n, kvh, g]
+    lse_s = lse[shared.rows]
+    lse_new = torch.logaddexp(lse_s, lse_p)
+    merged = out[shared.rows] * (lse_s - lse_new).exp()[..., None] + out_p * (lse_p - lse_new).exp()[..., None]
+    out[shared.rows] = merged
+    lse[shared.rows] = lse_new

@@ -1,7 +1,13 @@
 """Process configuration: the only module in fleetserve that reads the environment."""
 
+from __future__ import annotations
+
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engine.engine_config import EngineConfig
 
 
 def model_cache_dir() -> Path:
@@ -16,3 +22,36 @@ def model_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "fleetserve" / "models"
+
+
+def load_engine_config(path: Path | str) -> EngineConfig:
+    """Read the ``[engine]`` and ``[scheduler]`` tables of a daemon's TOML file.
+
+    Keys left out keep their defaults; an unknown key or a bad value raises ValueError naming
+    the table and key, so a typo in a config never passes silently.
+    """
+    import tomllib
+
+    from shared.engine.engine_config import EngineConfig
+    from shared.engine.scheduler import SchedulerConfig
+
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    scheduler = _build(SchedulerConfig, doc.get("scheduler", {}), "scheduler")
+    engine = doc.get("engine", {})
+    if "scheduler" in engine:
+        raise ValueError("[engine] scheduler: use a [scheduler] table")
+    return _build(EngineConfig, {**engine, "scheduler": scheduler}, "engine")
+
+
+def _build(cls, table: dict, name: str):
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in known:
+            raise ValueError(f"[{name}] {key}: unknown key (known: {', '.join(sorted(known))})")
+    try:
+        return cls(**table)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"[{name}] {e}") from e

@@ -28,8 +28,8 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def ours(default_model_path):
-    return load_checkpoint(default_model_path)
+def ours(default_checkpoint):
+    return default_checkpoint
 
 
 @pytest.fixture(scope="module")

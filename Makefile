@@ -1,0 +1,40 @@
+# fleetserve: `make demo` sets everything up and runs the main job; `make test` runs the tests.
+# Both work from a fresh clone: the virtualenv, torch (CPU build, installed first so no
+# dependency range pulls another one), the project and the embedded default model.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# Spin-waiting OpenMP threads cost 2-5x on a shared CPU.
+export OMP_WAIT_POLICY ?= PASSIVE
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup model demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup
+	$(PY) -m shared.model.fetch
+
+demo: model
+	$(VENV)/bin/cloudd bench --trace cloudd/traces/fleet-demo.jsonl --index radix,hashed --limit 16
+	$(VENV)/bin/cloudd chat "Plan how a warehouse robot brings crate 17 from aisle 4 to the packing station."
+
+test: model
+	$(PY) -m pytest -q
+
+# The issue's bar: the whole fleet-256 trace, both indexes and the HF baseline (about 25 min).
+bench: model
+	$(VENV)/bin/cloudd bench --trace ../shared/workloads/fleet-256.jsonl --index radix,hashed --baseline hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
