@@ -7,6 +7,7 @@ Single-threaded by contract: one owner calls ``submit``/``step``/``abort``. ``st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import defaultdict
@@ -82,8 +83,17 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.index = _make_index(config.prefix_index, self.pool)
         eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        # A request may never outgrow the model's positions or the whole KV pool.
+        max_len = min(
+            config.scheduler.max_model_len,
+            model.config.max_position_embeddings,
+            (config.num_blocks - 1) * config.block_size,
+        )
         self.scheduler = Scheduler(
-            config.scheduler, KVCacheManager(self.pool, self.index), policy or FCFS(), eos
+            dataclasses.replace(config.scheduler, max_model_len=max_len),
+            KVCacheManager(self.pool, self.index),
+            policy or FCFS(),
+            eos,
         )
         self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.sampler = Sampler()
@@ -227,11 +237,12 @@ class Engine:
     def _deliver(
         self, req: Request, tokens: list[int], reason: FinishReason | None, logprobs: list[float] = ()
     ) -> TokenDelta:
-        """Turn new tokens into a delta; a stop string found here finishes the request."""
+        """Turn new tokens into a delta; a stop string found here finishes the request.
+        A stop token (reason STOP from the scheduler) is delivered as a token, not as text."""
         detok = self._detok.get(req.request_id)
         text = ""
         if detok is not None:
-            text = detok.push(tokens)
+            text = detok.push(tokens[:-1] if reason == FinishReason.STOP else tokens)
             if detok.stopped and reason is None:
                 self.scheduler.finish(req, FinishReason.STOP)
                 reason = FinishReason.STOP

@@ -35,6 +35,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):  # OpenAI clients send a single stop as a plain string
+            object.__setattr__(self, "stop", (self.stop,))
+        if self.temperature != self.temperature:
+            raise ValueError("temperature must be a number, got nan")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))

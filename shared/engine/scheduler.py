@@ -139,11 +139,11 @@ class Scheduler:
         return out
 
     def _reserve(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        """Find room for ``n`` tokens of ``req``, preempting the lowest-priority request that
-        has no work this step (``req`` itself last). False if ``req`` was preempted."""
+        """Find room for ``n`` tokens of ``req`` by preempting the largest-key request among
+        ``req`` and those with no work yet this step. False if ``req`` itself yielded."""
         while not self.kv.allocate_slots(req, n):
             idle = [r for r in self.running if id(r) not in scheduled and r is not req]
-            victim = max(idle, key=self.policy.key) if idle else req
+            victim = max(idle + [req], key=self.policy.key)
             self._preempt(victim)
             out.preempted.append(victim.request_id)
             if victim is req:

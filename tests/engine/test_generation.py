@@ -14,7 +14,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import SchedulerConfig
 from tests.engine.tiny import greedy_reference, tiny_model
 
-MODEL = tiny_model()
+MODEL = tiny_model(tie_word_embeddings=False)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 

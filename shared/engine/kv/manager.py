@@ -1,13 +1,18 @@
 """Gives requests KV slots: prefix reuse from an index, fresh blocks from the pool, eviction on demand.
 
-Sharing rule: block k of a matched prefix is shared by reference when it is full and all its
-tokens sit in one physical block (always true for the hashed index); otherwise, and for a match
-that ends inside a block, the request gets a fresh block and the matched slots are copied into
-it (copy-on-write) by the runner before the step's forward pass::
+Sharing rule: every *full* block of a matched prefix is shared by reference; a match that ends
+inside a block gets a fresh block into which the runner copies the matched slots
+(copy-on-write) before the step's forward pass::
 
     block:   |  0 (full, shared) |  1 (full, shared) | 2 (partial: copied) | 3 (new) |
     tokens:  0                   4                   8         10          12        16
                                                                ^ match ends (token-exact)
+
+Which physical block holds a full logical block: the one holding its *last* token. A block is
+only ever written by the one request that owns it, at positions of its own sequence, and the
+tokens before its first own token were copied in when it was admitted; so the block that a
+cached path reaches at offset ``block_size - 1`` holds that path's KV at every offset, even
+when the radix tree records the earlier offsets under another request's block.
 """
 
 from __future__ import annotations
@@ -53,8 +58,7 @@ class KVCacheManager:
         assert not req.block_table and req.cache_handle is None
         bs = self.block_size
         m = match.num_tokens
-        shared = {k: self._whole_block(match.slots[k * bs : (k + 1) * bs]) for k in range(m // bs)}
-        shared = {k: b for k, b in shared.items() if b is not None}
+        shared = {k: match.slots[(k + 1) * bs - 1] // bs for k in range(m // bs)}
         num_blocks = -(-(m + num_new_tokens) // bs)
         self.index.lock(match.handle)  # before evicting, so the match survives
         if not self._ensure_free(num_blocks - len(shared)):
@@ -63,7 +67,7 @@ class KVCacheManager:
         self.pool.incref(shared.values())
         fresh = iter(self.pool.allocate(num_blocks - len(shared)))
         table = [shared[k] if k in shared else next(fresh) for k in range(num_blocks)]
-        copies = [self._copy_into(table[k], k, match) for k in range(-(-m // bs)) if k not in shared]
+        copies = [self._copy_into(table[m // bs], m // bs, match)] if m % bs else []
         req.block_table = table
         req.num_computed_tokens = req.num_cached_tokens = m
         req.cache_handle = match.handle
@@ -103,15 +107,6 @@ class KVCacheManager:
         """KV slots of ``req``'s positions [start, end)."""
         bs, table = self.block_size, req.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _whole_block(self, slots: tuple[int, ...]) -> int | None:
-        """The physical block if ``slots`` are exactly one block's slots in order, else None."""
-        bs = self.block_size
-        if len(slots) == bs and slots[0] % bs == 0 and slots[-1] == slots[0] + bs - 1:
-            first = slots[0]
-            if all(s == first + i for i, s in enumerate(slots)):
-                return first // bs
-        return None
 
     def _copy_into(self, block: int, k: int, match: PrefixMatch) -> SlotCopy:
         """Copy the matched tokens of logical block ``k`` into physical ``block``."""

@@ -1,0 +1,137 @@
+"""Incremental detokenization: deltas are final text only, and stop strings cut the text.
+
+The fake decoder is byte-level like a real BPE vocabulary: each id is a byte string and decoding
+replaces an incomplete UTF-8 sequence with U+FFFD, so "é" split over two ids reads "\ufffd"
+until its second half arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.engine.detokenizer import IncrementalDetokenizer
+
+VOCAB: dict[int, bytes] = {
+    0: b"Hello",
+    1: b" ",
+    2: b"world",
+    3: b"\xc3",  # first half of "é"
+    4: b"\xa9",  # second half of "é"
+    5: b"!",
+    6: b"#",
+    7: b"##",
+    8: b"a",
+    9: b"b",
+    10: b"ab",
+    11: b"\n",
+    12: b"\xc3\xa9",  # "é" whole
+    13: b"ba#",
+}
+HELLO, SPACE, WORLD, E1, E2, BANG, HASH, HASH2, A, B, AB, NL, E, BAH = range(14)
+
+
+class ByteDecoder:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def push_each(detok: IncrementalDetokenizer, ids: Sequence[int]) -> list[str]:
+    """One push per token, as the engine does; the deltas in order."""
+    return [detok.push([i]) for i in ids]
+
+
+def test_deltas_concatenate_to_the_full_text():
+    ids = [HELLO, SPACE, WORLD, BANG]
+    detok = IncrementalDetokenizer(ByteDecoder())
+    assert push_each(detok, ids) == ["Hello", " ", "world", "!"]
+    assert detok.flush() == ""
+    assert detok.text == "Hello world!" and not detok.stopped
+
+
+def test_a_split_character_is_released_only_when_complete():
+    detok = IncrementalDetokenizer(ByteDecoder())
+    assert push_each(detok, [A, E1, E2, B]) == ["a", "", "é", "b"]
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_is():
+    detok = IncrementalDetokenizer(ByteDecoder())
+    assert push_each(detok, [A, E1]) == ["a", ""]
+    assert detok.flush() == "\ufffd"
+
+
+def test_a_stop_string_cuts_the_text_before_it():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["world"])
+    assert push_each(detok, [HELLO, SPACE, WORLD]) == ["Hello", " ", ""]
+    assert detok.stopped and detok.text == "Hello "
+    assert detok.push([BANG]) == "" and detok.flush() == ""  # nothing after the stop
+
+
+def test_a_stop_string_spanning_tokens_holds_back_its_start():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["lo w"])
+    # "lo" and "lo " could begin the stop string, so they are held back
+    assert push_each(detok, [HELLO, SPACE, WORLD]) == ["Hel", "", ""]
+    assert detok.stopped and detok.text == "Hel"
+
+
+def test_held_back_text_is_released_when_it_turns_out_not_to_be_a_stop():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["##!"])
+    assert push_each(detok, [A, HASH, HASH, B]) == ["a", "", "", "##b"]
+    assert not detok.stopped
+
+
+def test_flush_releases_a_held_back_tail():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["##"])
+    assert push_each(detok, [A, HASH]) == ["a", ""]
+    assert detok.flush() == "#"
+    assert detok.flush() == ""
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["b", "a#"])
+    assert detok.push([A, BAH]) == "a"  # "aba#": "b" at 1 comes before "a#" at 2
+    assert detok.stopped and detok.text == "a"
+
+
+def test_a_stop_string_ending_in_a_split_character():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["aé"])
+    assert push_each(detok, [B, A, E1, E2, BANG]) == ["b", "", "", "", ""]
+    assert detok.stopped and detok.text == "b"
+
+
+def test_a_stop_string_right_after_the_start_yields_no_text():
+    detok = IncrementalDetokenizer(ByteDecoder(), stop=["Hello"])
+    assert push_each(detok, [HELLO, WORLD]) == ["", ""]
+    assert detok.text == "" and detok.stopped
+
+
+# --- property: streaming equals decoding the whole and cutting once -------------------------
+
+
+def reference(ids: Sequence[int], stop: Sequence[str]) -> str:
+    text = ByteDecoder().decode(ids)
+    hits = [i for s in stop if (i := text.find(s)) != -1]
+    return text[: min(hits)] if hits else text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.sampled_from(sorted(VOCAB)), max_size=20),
+    stop=st.lists(st.text(alphabet="ab#é! \n", min_size=1, max_size=4), max_size=3),
+    pushes=st.lists(st.integers(1, 3), min_size=20, max_size=20),
+)
+def test_streamed_deltas_plus_flush_equal_the_cut_full_text(ids, stop, pushes):
+    detok = IncrementalDetokenizer(ByteDecoder(), stop)
+    expected = reference(ids, stop)
+    streamed, i = "", 0
+    for n in pushes:  # pushes of 1..3 tokens
+        if i >= len(ids):
+            break
+        streamed += detok.push(ids[i : i + n])
+        i += n
+        assert expected.startswith(streamed)  # nothing released is ever taken back
+    streamed += detok.flush()
+    assert streamed == expected
+    assert detok.stopped == any(s in ByteDecoder().decode(ids) for s in stop)

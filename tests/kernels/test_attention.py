@@ -1,0 +1,82 @@
+"""Paged attention (cascade decode over shared prefix blocks, chunked prefill) vs dense attention."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.attention import AttentionMetadata, paged_attention
+
+BS, KVH, HEADS, DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
+
+
+def dense(q, k, v, num_cached):
+    """q: [n, H, D] at positions num_cached..; k, v: [L, KVH, D] for positions 0..L-1."""
+    n, L = q.shape[0], k.shape[0]
+    mask = torch.arange(L)[None, :] <= torch.arange(num_cached, num_cached + n)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), num_decodes=st.integers(0, 5), num_prefills=st.integers(0, 3))
+def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    k_cache = torch.randn(NUM_BLOCKS, BS, KVH, DIM)
+    v_cache = torch.randn(NUM_BLOCKS, BS, KVH, DIM)
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(rng.randrange(0, 5))]  # a "system prompt" some rows share
+
+    def table_for(context_len: int) -> list[int]:
+        own = -(-context_len // BS)
+        head = shared[: min(len(shared), (context_len - 1) // BS)] if rng.random() < 0.7 else []
+        return head + [free.pop() for _ in range(own - len(head))]
+
+    decodes = [(table_for(n), n) for n in (rng.randrange(1, 30) for _ in range(num_decodes))]
+    prefills = []
+    for _ in range(num_prefills):
+        total = rng.randrange(1, 30)
+        cached = rng.randrange(0, total)
+        prefills.append((table_for(total), cached, total - cached))
+    rows = num_decodes + sum(p[2] for p in prefills)
+    q = torch.randn(rows, HEADS, DIM)
+    meta = AttentionMetadata.build(
+        [t for t, _ in decodes], [n for _, n in decodes], prefills, slot_mapping=[0] * rows,
+        block_size=BS, null_block=0,
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
+
+    def context(table, length):
+        flat_k = k_cache[torch.tensor(table)].reshape(-1, KVH, DIM)[:length]
+        flat_v = v_cache[torch.tensor(table)].reshape(-1, KVH, DIM)[:length]
+        return flat_k, flat_v
+
+    for row, (table, n) in enumerate(decodes):
+        k, v = context(table, n)
+        torch.testing.assert_close(out[row : row + 1], dense(q[row : row + 1], k, v, n - 1), atol=1e-5, rtol=1e-5)
+    row = num_decodes
+    for table, cached, new in prefills:
+        k, v = context(table, cached + new)
+        torch.testing.assert_close(out[row : row + new], dense(q[row : row + new], k, v, cached), atol=1e-5, rtol=1e-5)
+        row += new
+
+
+def test_rows_sharing_leading_blocks_are_grouped():
+    shared = [7, 8, 9]
+    meta = AttentionMetadata.build(
+        decode_block_tables=[shared + [10], shared + [11, 12], [13, 14]],
+        decode_context_lens=[14, 17, 6],
+        prefills=[], slot_mapping=[0, 0, 0], block_size=BS, null_block=0,
+    )
+    [group] = meta.shared_prefixes
+    assert group.rows.tolist() == [0, 1]
+    assert group.block_ids.tolist() == shared
+    assert meta.decode_suffix_tables.tolist() == [[10, 0], [11, 12], [13, 14]]
