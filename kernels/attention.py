@@ -54,13 +54,38 @@ class SharedPrefix:
 
 
 @dataclass(frozen=True)
+class SuffixBucket:
+    """Decode rows whose own (unshared) context is of similar length, padded to the longest."""
+
+    rows: torch.Tensor  # [n] int64 decode rows
+    block_tables: torch.Tensor  # [n, max_blocks] int64; padded with the null block
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] float: 0 visible, -inf padding
+
+    @staticmethod
+    def build(rows, tables, lens, block_size, null_block, device) -> "SuffixBucket":
+        max_blocks = max(len(t) for t in tables)
+        padded = torch.full((len(rows), max_blocks), null_block, dtype=torch.int64)
+        for i, table in enumerate(tables):
+            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        visible = torch.arange(max_blocks * block_size)[None, :] < torch.tensor(lens)[:, None]
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
+        return SuffixBucket(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            block_tables=padded.to(device),
+            mask=mask.to(device),
+        )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's K/V go and what each query may see."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: KV slot of each new token
     num_decodes: int  # the first num_decodes rows are decode queries, one per sequence
-    decode_suffix_tables: torch.Tensor  # [num_decodes, max_blocks] int64; padded with null block
-    decode_suffix_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] float 0/-inf
+    suffix_buckets: tuple[SuffixBucket, ...]  # every decode row is in exactly one
+    # Reused by every layer and bucket for the gathered suffix K and V: a fresh multi-MB tensor
+    # per layer costs page faults that dwarf the copy itself.
+    decode_gather_buffer: torch.Tensor  # [2, blocks of the largest bucket, block numel]
     shared_prefixes: tuple[SharedPrefix, ...]
     prefills: tuple[PrefillSegment, ...]
 
@@ -72,6 +97,7 @@ class AttentionMetadata:
         slot_mapping: list[int],
         block_size: int,
         null_block: int,
+        workspace: "GatherWorkspace",
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """Build metadata from plain ints.
@@ -81,6 +107,7 @@ class AttentionMetadata:
                 context length including the token computed this step.
             prefills: per prefill segment ``(block_table, num_cached, num_new)``; the segment's
                 rows follow the decode rows in this order.
+            workspace: where decode K/V are gathered; the caller keeps it across steps.
         """
         groups = _shared_prefix_groups(decode_block_tables, decode_context_lens, block_size)
         skip = [0] * len(decode_block_tables)  # shared blocks each decode row skips
@@ -88,20 +115,17 @@ class AttentionMetadata:
             for r in rows:
                 skip[r] = num_blocks
         suffixes = [t[s:] for t, s in zip(decode_block_tables, skip, strict=True)]
-        max_blocks = max((len(t) for t in suffixes), default=0)
-        tables = torch.full((len(suffixes), max_blocks), null_block, dtype=torch.int64)
-        for i, table in enumerate(suffixes):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        suffix_lens = torch.tensor(
-            [n - s * block_size for n, s in zip(decode_context_lens, skip, strict=True)], dtype=torch.int64
+        suffix_lens = [n - s * block_size for n, s in zip(decode_context_lens, skip, strict=True)]
+        buckets = tuple(
+            SuffixBucket.build(rows, [suffixes[r] for r in rows], [suffix_lens[r] for r in rows],
+                               block_size, null_block, device)
+            for rows in _length_buckets(suffix_lens)
         )
-        visible = torch.arange(max_blocks * block_size)[None, :] < suffix_lens[:, None]
-        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
         return AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             num_decodes=len(decode_block_tables),
-            decode_suffix_tables=tables.to(device),
-            decode_suffix_mask=mask.to(device),
+            suffix_buckets=buckets,
+            decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in buckets), default=0)),
             shared_prefixes=tuple(
                 SharedPrefix(
                     rows=torch.tensor(rows, dtype=torch.int64, device=device),
@@ -111,6 +135,31 @@ class AttentionMetadata:
             ),
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), device)),
         )
+
+
+class GatherWorkspace:
+    """A reusable buffer for gathered K/V blocks, grown on demand, never shrunk."""
+
+    def __init__(self, block_numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self._buffer = torch.empty(2, 0, block_numel, dtype=dtype, device=device)
+
+    def take(self, num_blocks: int) -> torch.Tensor:  # [2 (K, V), num_blocks, block_numel]
+        if self._buffer.shape[1] < num_blocks:
+            grown = max(num_blocks, self._buffer.shape[1] * 5 // 4)
+            self._buffer = self._buffer.new_empty(2, grown, self._buffer.shape[2])
+        return self._buffer[:, :num_blocks]
+
+
+def _length_buckets(lens: list[int], max_buckets: int = 4, min_fill: float = 0.6) -> list[list[int]]:
+    """Rows split by length, longest first, so padding to a bucket's longest row wastes little:
+    a new bucket starts when a row is shorter than ``min_fill`` of the bucket's longest."""
+    order = sorted(range(len(lens)), key=lambda r: -lens[r])
+    buckets: list[list[int]] = []
+    for r in order:
+        if not buckets or (len(buckets) < max_buckets and lens[r] < min_fill * lens[buckets[-1][0]]):
+            buckets.append([])
+        buckets[-1].append(r)
+    return buckets
 
 
 def _shared_prefix_groups(
@@ -168,11 +217,11 @@ def write_kv(
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[..., nb] block ids -> [..., nb * block_size, kv_heads, head_dim] contiguous K or V."""
     # NOTE: index_select over 2-D rows (one block each) is a parallel memcpy; over the 4-D
     # tensor it is several times slower on CPU.
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_table.flatten())
+    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_table.flatten(), out=out)
     return rows.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
@@ -207,9 +256,15 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     nd, heads, dim = q.shape
     kvh = k_cache.shape[2]
     qg = q.view(nd, kvh, heads // kvh, dim)  # [nd, kvh, g, D]: kv head i serves query heads i*g..
-    k = _gather(k_cache, meta.decode_suffix_tables).transpose(1, 2)  # [nd, kvh, S, D]
-    v = _gather(v_cache, meta.decode_suffix_tables).transpose(1, 2)
-    out, lse = _flash_with_lse(qg, k, v, attn_mask=meta.decode_suffix_mask, scale=scale)
+    out = torch.empty_like(qg)
+    lse = torch.empty(qg.shape[:3], dtype=torch.float32, device=q.device)  # [nd, kvh, g]
+    for bucket in meta.suffix_buckets:
+        k_buf, v_buf = meta.decode_gather_buffer[:, : bucket.block_tables.numel()]
+        k = _gather(k_cache, bucket.block_tables, out=k_buf).transpose(1, 2)  # [n, kvh, S, D]
+        v = _gather(v_cache, bucket.block_tables, out=v_buf).transpose(1, 2)
+        out[bucket.rows], lse[bucket.rows] = _flash_with_lse(
+            qg[bucket.rows], k, v, attn_mask=bucket.mask, scale=scale
+        )
     for shared in meta.shared_prefixes:
         _merge_shared_prefix(out, lse, qg, k_cache, v_cache, shared, scale)
     return out.reshape(nd, heads, dim)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, GatherWorkspace
 from shared.engine.kv.block_pool import NULL_BLOCK
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler import SchedulerOutput
@@ -26,6 +26,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(cfg.num_layers)
         ]
+        self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype)
 
     @property
     def kv_bytes(self) -> int:
@@ -53,6 +54,7 @@ class ModelRunner:
             slot_mapping=slots,
             block_size=bs,
             null_block=NULL_BLOCK,
+            workspace=self.workspace,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64),

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels.attention import AttentionMetadata, GatherWorkspace, paged_attention
 
 BS, KVH, HEADS, DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 
@@ -50,7 +50,7 @@ def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
     q = torch.randn(rows, HEADS, DIM)
     meta = AttentionMetadata.build(
         [t for t, _ in decodes], [n for _, n in decodes], prefills, slot_mapping=[0] * rows,
-        block_size=BS, null_block=0,
+        block_size=BS, null_block=0, workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
     )
     out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
 
@@ -75,8 +75,13 @@ def test_rows_sharing_leading_blocks_are_grouped():
         decode_block_tables=[shared + [10], shared + [11, 12], [13, 14]],
         decode_context_lens=[14, 17, 6],
         prefills=[], slot_mapping=[0, 0, 0], block_size=BS, null_block=0,
+        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
     )
     [group] = meta.shared_prefixes
     assert group.rows.tolist() == [0, 1]
     assert group.block_ids.tolist() == shared
-    assert meta.decode_suffix_tables.tolist() == [[10, 0], [11, 12], [13, 14]]
+    tables = {}
+    for bucket in meta.suffix_buckets:
+        for row, table in zip(bucket.rows.tolist(), bucket.block_tables.tolist()):
+            tables[row] = table
+    assert tables[0][:1] == [10] and tables[1] == [11, 12] and tables[2] == [13, 14]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cloudd.hf_baseline import build_hf_model
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, GatherWorkspace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.block_pool import NULL_BLOCK
@@ -41,10 +41,12 @@ def _paged_forward(model, kv, tokens, start, table):
     end = start + len(tokens)
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
     used = table[: -(-end // BLOCK)]
+    cfg = model.config
+    ws = GatherWorkspace(BLOCK * cfg.num_kv_heads * cfg.head_dim, torch.float32)
     if len(tokens) == 1 and start > 0:
-        meta = AttentionMetadata.build([used], [end], [], slots, BLOCK, NULL_BLOCK)
+        meta = AttentionMetadata.build([used], [end], [], slots, BLOCK, NULL_BLOCK, ws)
     else:
-        meta = AttentionMetadata.build([], [], [(used, start, len(tokens))], slots, BLOCK, NULL_BLOCK)
+        meta = AttentionMetadata.build([], [], [(used, start, len(tokens))], slots, BLOCK, NULL_BLOCK, ws)
     hidden = model(torch.tensor(tokens), torch.arange(start, end), kv, meta)
     return model.logits(hidden)
 
