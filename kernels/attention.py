@@ -25,7 +25,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 # Returns (output, logsumexp); the public SDPA does not expose the logsumexp a merge needs.
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -38,7 +37,10 @@ class PrefillSegment:
     start: int  # first row of the segment in the flat token batch
     num_new: int  # tokens computed this step
     block_table: torch.Tensor  # [num_blocks_for_context] int64
-    mask: torch.Tensor  # [num_new, context_len] bool; True = may attend
+    # Causal mask with the cached context in front, float 0 / -inf, one row per (query-group
+    # member j, new token t) at row j * num_new + t: GQA folds each KV head's group of query
+    # heads into the query length.
+    mask: torch.Tensor  # [query_group * num_new, context_len]
 
     @property
     def context_len(self) -> int:
@@ -98,6 +100,7 @@ class AttentionMetadata:
         block_size: int,
         null_block: int,
         workspace: "GatherWorkspace",
+        query_group: int = 1,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """Build metadata from plain ints.
@@ -108,6 +111,7 @@ class AttentionMetadata:
             prefills: per prefill segment ``(block_table, num_cached, num_new)``; the segment's
                 rows follow the decode rows in this order.
             workspace: where decode K/V are gathered; the caller keeps it across steps.
+            query_group: query heads per KV head (GQA).
         """
         groups = _shared_prefix_groups(decode_block_tables, decode_context_lens, block_size)
         skip = [0] * len(decode_block_tables)  # shared blocks each decode row skips
@@ -133,7 +137,7 @@ class AttentionMetadata:
                 )
                 for rows, n in groups
             ),
-            prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), device)),
+            prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
         )
 
 
@@ -190,11 +194,12 @@ def _common_len(a: list[int], b: list[int], limit: int) -> int:
     return i
 
 
-def _prefill_segments(prefills: list[tuple[list[int], int, int]], start: int, device):
+def _prefill_segments(prefills: list[tuple[list[int], int, int]], start: int, query_group: int, device):
     for table, num_cached, num_new in prefills:
         context_len = num_cached + num_new
         query_pos = torch.arange(num_cached, context_len)
-        mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+        hidden = torch.arange(context_len)[None, :] > query_pos[:, None]
+        mask = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf")).repeat(query_group, 1)
         yield PrefillSegment(
             start=start,
             num_new=num_new,
@@ -238,17 +243,19 @@ def paged_attention(
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_new)
-        k = _gather(k_cache, seg.block_table)[: seg.context_len].transpose(0, 1)  # [kvh, L, D]
-        v = _gather(v_cache, seg.block_table)[: seg.context_len].transpose(0, 1)
-        out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),  # [H, n, D]
-            k,
-            v,
-            attn_mask=seg.mask,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(0, 1)
+        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seg, scale)
     return out
+
+
+def _prefill_attention(q, k_cache, v_cache, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    """A segment's new tokens over its whole context, one flash call for all heads."""
+    n, heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    k = _gather(k_cache, seg.block_table)[: seg.context_len].transpose(0, 1)[None]  # [1, kvh, L, D]
+    v = _gather(v_cache, seg.block_table)[: seg.context_len].transpose(0, 1)[None]
+    qg = q.view(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3).reshape(1, kvh, -1, dim)  # rows (j, t)
+    o, _ = _flash_with_lse(qg, k, v, attn_mask=seg.mask, scale=scale)
+    return o.view(kvh, heads // kvh, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

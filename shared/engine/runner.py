@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import AttentionMetadata, GatherWorkspace
-from shared.engine.kv.block_pool import NULL_BLOCK
+from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.llama import KVCache, LlamaModel
@@ -43,7 +43,7 @@ class ModelRunner:
         for chunk in out.chunks:
             input_ids += chunk.token_ids
             positions += range(chunk.start, chunk.end)
-            slots += self._slots(chunk.block_table, chunk.start, chunk.end)
+            slots += slot_ids(chunk.block_table, chunk.start, chunk.end, self.block_size)
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
         bs = self.block_size
@@ -55,6 +55,7 @@ class ModelRunner:
             block_size=bs,
             null_block=NULL_BLOCK,
             workspace=self.workspace,
+            query_group=self.model.config.num_heads // self.model.config.num_kv_heads,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64),
@@ -63,10 +64,6 @@ class ModelRunner:
             meta,
         )
         return self.model.logits(hidden[sample_rows])
-
-    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _copy_slots(self, copies: list[SlotCopy]) -> None:
         """Copy-on-write of partially matched prefix blocks, all layers at once per tensor."""

@@ -51,6 +51,7 @@ def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
     meta = AttentionMetadata.build(
         [t for t, _ in decodes], [n for _, n in decodes], prefills, slot_mapping=[0] * rows,
         block_size=BS, null_block=0, workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
+        query_group=HEADS // KVH,
     )
     out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
 

@@ -46,7 +46,8 @@ def _paged_forward(model, kv, tokens, start, table):
     if len(tokens) == 1 and start > 0:
         meta = AttentionMetadata.build([used], [end], [], slots, BLOCK, NULL_BLOCK, ws)
     else:
-        meta = AttentionMetadata.build([], [], [(used, start, len(tokens))], slots, BLOCK, NULL_BLOCK, ws)
+        group = cfg.num_heads // cfg.num_kv_heads
+        meta = AttentionMetadata.build([], [], [(used, start, len(tokens))], slots, BLOCK, NULL_BLOCK, ws, group)
     hidden = model(torch.tensor(tokens), torch.arange(start, end), kv, meta)
     return model.logits(hidden)
 

@@ -17,6 +17,11 @@ from typing import Final
 NULL_BLOCK: Final = 0
 
 
+def slot_ids(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV slots of positions [start, end) of a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class OutOfBlocks(Exception):
     """Fewer free blocks than requested; the pool was left unchanged."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.engine.kv.block_pool import BlockPool
+from shared.engine.kv.block_pool import BlockPool, slot_ids
 from shared.engine.kv.prefix_cache import PrefixCache, PrefixMatch
 from shared.engine.request import Request
 
@@ -88,7 +88,7 @@ class KVCacheManager:
         n = req.num_computed_tokens
         if n == 0:
             return
-        handle = self.index.insert(req.token_ids_between(0, n), self.slots(req, 0, n))
+        handle = self.index.insert(req.token_ids_between(0, n), slot_ids(req.block_table, 0, n, self.block_size))
         self.index.lock(handle)
         if req.cache_handle is not None:
             self.index.unlock(req.cache_handle)
@@ -102,11 +102,6 @@ class KVCacheManager:
         self.pool.decref(req.block_table)
         req.block_table = []
         req.cache_handle = None
-
-    def slots(self, req: Request, start: int, end: int) -> list[int]:
-        """KV slots of ``req``'s positions [start, end)."""
-        bs, table = self.block_size, req.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _copy_into(self, block: int, k: int, match: PrefixMatch) -> SlotCopy:
         """Copy the matched tokens of logical block ``k`` into physical ``block``."""
