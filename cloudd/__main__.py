@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: ModelFetchError, HF baseline
         print(f"cloudd: error: {e}", file=sys.stderr)
         return 2
 

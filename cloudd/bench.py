@@ -34,13 +34,11 @@ def replay_offline(engine: Engine, requests: list[TraceRequest], output_len: int
     """Submit every request at t0, step until all finish; timings are from t0."""
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
-    rids = [engine.submit(list(r.messages), sampling) for r in requests]
+    rids = [engine.submit(list(r.messages), sampling, buffered=False) for r in requests]
     reqs = [engine.get_request(rid) for rid in rids]
     while engine.has_unfinished:
         engine.step()
     wall = time.perf_counter() - t0
-    for rid in rids:
-        engine.drain(rid)
     timings = [
         RequestTiming(
             priority=tr.priority,

@@ -6,6 +6,7 @@ transformers is a test/bench-only dependency: imported here, never by the engine
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -34,8 +35,10 @@ def build_hf_model(ckpt: Checkpoint, dtype: torch.dtype):
         rope_theta=c.rope_theta,
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias,
+        rope_scaling=None if c.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)},
     )
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"HF model weights do not line up: missing {missing}, unexpected {unexpected}")

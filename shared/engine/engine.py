@@ -101,6 +101,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, list[TokenDelta]] = defaultdict(list)
         self._live: set[str] = set()  # submitted, and not yet fully delivered
+        self._buffered: set[str] = set()  # live ids whose deltas wait for stream/drain
         self.num_steps = 0
 
     @classmethod
@@ -116,10 +117,14 @@ class Engine:
         prompt: Sequence[int] | Messages | str,
         sampling: SamplingParams = SamplingParams(),
         request_id: str | None = None,
+        buffered: bool = True,
     ) -> str:
         """Queue a request: token ids, a plain string, or chat messages (rendered with the
         model's chat template). Raises ValueError for an empty or over-long prompt, an id in
-        use, or text without a tokenizer."""
+        use, or text without a tokenizer.
+
+        ``buffered`` keeps the request's deltas for ``stream``/``drain``; a caller that consumes
+        what ``step`` returns (a daemon's loop) passes False, and nothing is kept."""
         rid = request_id if request_id is not None else f"req-{next(self._seq)}"
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -134,6 +139,8 @@ class Engine:
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         self._live.add(rid)
+        if buffered:
+            self._buffered.add(rid)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -160,7 +167,7 @@ class Engine:
         (they are also buffered for ``stream``/``drain``)."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return self._unblock()
         logits = self.runner.execute(out)
         sampled_chunks = [c for c in out.chunks if c.sample]
         reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
@@ -177,10 +184,24 @@ class Engine:
             for req, (token, lp) in zip(reqs, picks, strict=True)
         ]
 
+    def _unblock(self) -> list[TokenDelta]:
+        """Nothing could run although requests wait: the first in line cannot get its blocks
+        even with everything else evicted (a tiny pool). End it with what it has (``length``)
+        rather than wait forever."""
+        if self.scheduler.running or not len(self.scheduler.waiting):
+            return []
+        head = next(iter(self.scheduler.waiting))
+        self.scheduler.finish(head, FinishReason.LENGTH)
+        return [self._deliver(head, [], FinishReason.LENGTH)]
+
     def stream(self, request_id: str) -> Iterator[TokenDelta]:
-        """Yield ``request_id``'s deltas as they are produced, stepping the engine as needed."""
-        if request_id not in self._live:
-            raise KeyError(f"unknown request id {request_id!r}")
+        """Yield ``request_id``'s deltas as they are produced, stepping the engine as needed.
+        Raises KeyError at once for an id that is not live and buffered."""
+        if request_id not in self._buffered:
+            raise KeyError(f"unknown or unbuffered request id {request_id!r}")
+        return self._stream(request_id)
+
+    def _stream(self, request_id: str) -> Iterator[TokenDelta]:
         while True:
             for delta in self._take(request_id):
                 yield delta
@@ -251,21 +272,26 @@ class Engine:
         if reason is not None:
             req.finish_time = time.perf_counter()
         delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason)
-        self._pending[req.request_id].append(delta)
+        if req.request_id in self._buffered:
+            self._pending[req.request_id].append(delta)
+        elif reason is not None:
+            self._forget(req.request_id)
         return delta
 
     def _take(self, request_id: str) -> list[TokenDelta]:
         deltas = self._pending.pop(request_id, [])
         if deltas and deltas[-1].finished:
-            self._live.discard(request_id)
-            self._detok.pop(request_id, None)
-            self.sampler.forget(request_id)
+            self._forget(request_id)
         return deltas
+
+    def _forget(self, request_id: str) -> None:
+        """The request is over and fully delivered: drop its per-request state."""
+        self._live.discard(request_id)
+        self._buffered.discard(request_id)
+        self._detok.pop(request_id, None)
+        self.sampler.forget(request_id)
 
 
 def _make_index(kind: str, pool: BlockPool) -> PrefixCache:
-    if kind == "radix":
-        return RadixTree(pool)
-    if kind == "hashed":
-        return HashedBlockIndex(pool)
-    raise ValueError(f"prefix_index must be 'radix' or 'hashed', got {kind!r}")
+    """``kind`` was validated by EngineConfig."""
+    return RadixTree(pool) if kind == "radix" else HashedBlockIndex(pool)

@@ -7,7 +7,7 @@ import torch
 from kernels.attention import AttentionMetadata, GatherWorkspace
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler_output import SchedulerOutput
 from shared.model.llama import KVCache, LlamaModel
 
 
@@ -27,10 +27,6 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype)
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits [num_sampled, vocab] float32, one row per chunk with

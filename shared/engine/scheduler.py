@@ -4,11 +4,13 @@ chunked prefill, then new admissions in policy order. Plain ints only; never tou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from shared.engine.kv.manager import KVCacheManager, SlotCopy
+from shared.engine.kv.manager import KVCacheManager
+from shared.engine.kv.radix import common_prefix_len
 from shared.engine.policy import SchedulingPolicy, WaitingQueue
 from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -21,44 +23,9 @@ class SchedulerConfig:
     in_batch_prefix_min_tokens: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "in_batch_prefix_min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens [start, start + len(token_ids)) of one request, computed this step."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    sample: bool  # the chunk reaches the newest token, so the step samples a next token
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
-    prefills: list[ScheduledChunk] = field(default_factory=list)
-    copies: list[SlotCopy] = field(default_factory=list)  # do before the forward pass
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def chunks(self) -> list[ScheduledChunk]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 @dataclass(frozen=True)
@@ -176,8 +143,9 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            self.num_prompt_tokens_admitted += req.num_tokens
-            self.num_cached_tokens_admitted += match.num_tokens
+            if req.num_preemptions == 0:  # a resumed request's own prefix is not a cache hit
+                self.num_prompt_tokens_admitted += req.num_prompt_tokens
+                self.num_cached_tokens_admitted += match.num_tokens
             out.copies.extend(copies)
             self._emit(req, n, out)
             in_flight.append(req)
@@ -198,7 +166,7 @@ class Scheduler:
             request_id=req.request_id,
             token_ids=req.token_ids_between(start, start + n),
             start=start,
-            block_table=req.block_table,
+            block_table=tuple(req.block_table),
             sample=start + n == req.num_tokens,
         )
         (out.decodes if n == 1 and chunk.sample and start > 0 else out.prefills).append(chunk)
@@ -238,13 +206,3 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (compares 64-token slices in C first)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
-        i += 64
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

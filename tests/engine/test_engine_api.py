@@ -287,3 +287,15 @@ def test_a_stop_token_is_not_in_the_text():
     deltas = list(e.stream(e.submit(PROMPT, greedy(8, stop_token_ids=(ref[1],)))))
     assert [t for d in deltas for t in d.token_ids] == ref[:2]
     assert "".join(d.text for d in deltas) == f"[{ref[0]}]"
+
+
+def test_unbuffered_requests_leave_nothing_behind_when_driven_by_step():
+    e = engine()
+    rids = [e.submit(PROMPT, greedy(3), buffered=False) for _ in range(2)]
+    finished = []
+    while e.has_unfinished:
+        finished += [d.request_id for d in e.step() if d.finished]
+    assert sorted(finished) == sorted(rids)
+    assert not e._pending and not e._live and not e._detok
+    with pytest.raises(KeyError):
+        e.stream(rids[0])  # raises at the call, not at the first next()

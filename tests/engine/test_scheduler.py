@@ -16,7 +16,8 @@ from shared.engine.kv.radix import RadixTree
 from shared.engine.policy import FCFS
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler_output import SchedulerOutput
 
 BLOCK = 4
 _arrivals = itertools.count()

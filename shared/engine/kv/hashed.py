@@ -139,6 +139,10 @@ class HashedBlockIndex:
 
     # ---- integrity -----------------------------------------------------------------------
 
+    def block_refs(self) -> dict[int, int]:
+        """Pool refs the index holds, per block: one per cached block."""
+        return {block_id: 1 for block_id in self._by_block}
+
     def check_integrity(self) -> None:
         """Raise AssertionError if the maps, the chain, locks, LRU order or refs disagree."""
         if not (len(self._by_hash) == len(self._by_block) == len(self._lru)):

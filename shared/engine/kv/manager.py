@@ -116,11 +116,13 @@ class KVCacheManager:
         return self.pool.num_free >= num_blocks
 
     def check_integrity(self, requests: list[Request]) -> None:
-        """Pool refs == the index's refs + one per request table entry (tests call this)."""
+        """Every block's pool refs == the index's refs + one per table entry of ``requests``
+        (pass every live request): a leaked or missing ref fails here (tests call this)."""
         self.index.check_integrity()
-        held: dict[int, int] = {}
+        expected = self.index.block_refs()
         for req in requests:
             for b in req.block_table:
-                held[b] = held.get(b, 0) + 1
-        for b, n in held.items():
-            assert self.pool.ref_count(b) >= n, f"block {b}: {self.pool.ref_count(b)} refs < {n} held"
+                expected[b] = expected.get(b, 0) + 1
+        for b in range(1, self.pool.num_blocks):
+            actual, want = self.pool.ref_count(b), expected.get(b, 0)
+            assert actual == want, f"block {b}: {actual} pool refs, {want} held"

@@ -42,13 +42,20 @@ class TreeNode:
         return not self.children
 
 
-def _common_len(edge: tuple[int, ...], token_ids: Sequence[int], start: int) -> int:
-    """Length of the common prefix of `edge` and `token_ids[start:]`."""
-    n = min(len(edge), len(token_ids) - start)
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix (compares 64-token slices in C first)."""
+    n = min(len(a), len(b))
     i = 0
-    while i < n and edge[i] == token_ids[start + i]:
+    while i + 64 <= n and list(a[i : i + 64]) == list(b[i : i + 64]):
+        i += 64
+    while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _common_len(edge: tuple[int, ...], token_ids: Sequence[int], start: int) -> int:
+    """Length of the common prefix of `edge` and `token_ids[start:]`."""
+    return common_prefix_len(edge, token_ids[start : start + len(edge)])
 
 
 class RadixTree:
@@ -179,9 +186,19 @@ class RadixTree:
 
     # ---- integrity -----------------------------------------------------------------------
 
+    def block_refs(self) -> dict[int, int]:
+        """Pool refs the tree holds, per block: one per (node, block) pair."""
+        refs: dict[int, int] = {}
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            for block_id in self._blocks_of(node.slots):
+                refs[block_id] = refs.get(block_id, 0) + 1
+            stack.extend(node.children.values())
+        return refs
+
     def check_integrity(self) -> None:
         """Raise AssertionError if the tree, its leaf set or its pool refs are inconsistent."""
-        refs: dict[int, int] = {}
         seen_slots: set[int] = set()
         evictable: set[TreeNode] = set()
         num_tokens = num_nodes = 0
@@ -192,8 +209,6 @@ class RadixTree:
             if node is not self.root:
                 num_nodes += 1
                 num_tokens += len(node.token_ids)
-                for block_id in self._blocks_of(node.slots):
-                    refs[block_id] = refs.get(block_id, 0) + 1
                 if self._is_evictable(node):
                     evictable.add(node)
             for child in node.children.values():
@@ -202,7 +217,7 @@ class RadixTree:
             raise AssertionError("evictable_leaves differs from a fresh recomputation")
         if (num_tokens, num_nodes) != (self._num_cached_tokens, self._num_nodes):
             raise AssertionError(f"counters {self._num_cached_tokens}, {self._num_nodes} stale")
-        for block_id, count in refs.items():
+        for block_id, count in self.block_refs().items():
             if self.pool.ref_count(block_id) < count:
                 raise AssertionError(f"block {block_id}: pool ref < {count} tree refs")
         self.pool.check_integrity()

@@ -1,0 +1,42 @@
+"""What the scheduler hands the runner each step: plain ints, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.kv.manager import SlotCopy
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [start, start + len(token_ids)) of one request, computed this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_table: tuple[int, ...]  # a snapshot: the request's table may grow later
+    sample: bool  # the chunk reaches the newest token, so the step samples a next token
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[SlotCopy] = field(default_factory=list)  # do before the forward pass
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
