@@ -9,12 +9,15 @@ tokens of each *prefill* segment (a chunk of a prompt, after any cached prefix):
 
     | decode 0 | decode 1 | ... | prefill A (n_A tokens) | prefill B (n_B tokens) | ...
 
-Decode attention is a two-level cascade. Robots of one type share a long system prompt, and
-the radix cache makes their requests share its *physical* blocks; those blocks are read once
-for all the decode rows that share them (all their queries against one K/V), each row's own
-suffix is gathered per row, and the two partial softmaxes are merged by log-sum-exp::
+Decode attention is a cascade over shared blocks. Robots of one type share a long system
+prompt, a robot's requests share its scene, and a replan shares its whole conversation; the
+radix cache makes all of them share *physical* blocks. The decode rows' block tables form a
+trie; each trie segment that enough rows pass through is read once for all of them (all
+their queries against one K/V), each row gathers only the blocks no segment covers, and the
+partial softmaxes are merged by log-sum-exp (keys are position-encoded, so their order does
+not matter)::
 
-    row r:  | shared prefix blocks (read once per group) | own suffix blocks (gathered) |
+    row r:  | system prompt (128 rows) | scene (8 rows) | history (2 rows) | own blocks |
 
 All index tensors and masks are built once per step (``AttentionMetadata``), not per layer.
 """
@@ -48,11 +51,12 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
-class SharedPrefix:
-    """Decode rows whose block tables start with the same physical blocks."""
+class SharedSegment:
+    """Physical blocks that several decode rows' tables hold at the same positions."""
 
     rows: torch.Tensor  # [n] int64, decode rows (n >= 2)
-    block_ids: torch.Tensor  # [p] int64, the shared leading blocks
+    parts: torch.Tensor  # [n] int64, the partial-result slot (>= 1) this segment fills per row
+    block_ids: torch.Tensor  # [p] int64, consecutive logical blocks of each of those rows
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,8 @@ class AttentionMetadata:
     # Reused by every layer and bucket for the gathered suffix K and V: a fresh multi-MB tensor
     # per layer costs page faults that dwarf the copy itself.
     decode_gather_buffer: torch.Tensor  # [2, blocks of the largest bucket, block numel]
-    shared_prefixes: tuple[SharedPrefix, ...]
+    shared_segments: tuple[SharedSegment, ...]
+    num_decode_parts: int  # 1 + the most shared segments any decode row is in
     prefills: tuple[PrefillSegment, ...]
 
     @staticmethod
@@ -101,6 +106,7 @@ class AttentionMetadata:
         null_block: int,
         workspace: "GatherWorkspace",
         query_group: int = 1,
+        min_saved_tokens: int = 512,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """Build metadata from plain ints.
@@ -112,14 +118,21 @@ class AttentionMetadata:
                 rows follow the decode rows in this order.
             workspace: where decode K/V are gathered; the caller keeps it across steps.
             query_group: query heads per KV head (GQA).
+            min_saved_tokens: read a shared segment once when that saves at least this many
+                token reads (smaller ones are cheaper inside each row's own gather).
         """
-        groups = _shared_prefix_groups(decode_block_tables, decode_context_lens, block_size)
-        skip = [0] * len(decode_block_tables)  # shared blocks each decode row skips
-        for rows, num_blocks in groups:
+        segments = _shared_segments(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
+        covered: list[set[int]] = [set() for _ in decode_block_tables]  # block indices per row
+        parts = []  # per segment, the partial-result slot of each of its rows
+        num_parts = [1] * len(decode_block_tables)
+        for rows, first, blocks in segments:
+            parts.append([num_parts[r] for r in rows])
             for r in rows:
-                skip[r] = num_blocks
-        suffixes = [t[s:] for t, s in zip(decode_block_tables, skip, strict=True)]
-        suffix_lens = [n - s * block_size for n, s in zip(decode_context_lens, skip, strict=True)]
+                covered[r].update(range(first, first + len(blocks)))
+                num_parts[r] += 1
+        # NOTE: a row's own blocks keep their order, so its partial newest block stays last.
+        suffixes = [[b for i, b in enumerate(t) if i not in c] for t, c in zip(decode_block_tables, covered)]
+        suffix_lens = [n - len(c) * block_size for n, c in zip(decode_context_lens, covered, strict=True)]
         buckets = tuple(
             SuffixBucket.build(rows, [suffixes[r] for r in rows], [suffix_lens[r] for r in rows],
                                block_size, null_block, device)
@@ -130,13 +143,15 @@ class AttentionMetadata:
             num_decodes=len(decode_block_tables),
             suffix_buckets=buckets,
             decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in buckets), default=0)),
-            shared_prefixes=tuple(
-                SharedPrefix(
+            shared_segments=tuple(
+                SharedSegment(
                     rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                    block_ids=torch.tensor(decode_block_tables[rows[0]][:n], dtype=torch.int64, device=device),
+                    parts=torch.tensor(row_parts, dtype=torch.int64, device=device),
+                    block_ids=torch.tensor(blocks, dtype=torch.int64, device=device),
                 )
-                for rows, n in groups
+                for (rows, _, blocks), row_parts in zip(segments, parts, strict=True)
             ),
+            num_decode_parts=max(num_parts, default=1),
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
         )
 
@@ -166,32 +181,37 @@ def _length_buckets(lens: list[int], max_buckets: int = 4, min_fill: float = 0.6
     return buckets
 
 
-def _shared_prefix_groups(
-    tables: list[list[int]], context_lens: list[int], block_size: int
-) -> list[tuple[list[int], int]]:
-    """(rows, number of shared leading blocks) for each set of >= 2 rows with a common first
-    block. Only blocks wholly before each row's newest token are shared (that block is private)."""
-    by_first: dict[int, list[int]] = defaultdict(list)
+def _shared_segments(
+    tables: list[list[int]], context_lens: list[int], block_size: int, min_saved_tokens: int
+) -> list[tuple[list[int], int, list[int]]]:
+    """``(rows, first block index, block ids)`` of each trie segment worth reading once.
+
+    The trie is over each row's shareable blocks: those wholly before its newest token (that
+    block is private). A maximal chain of trie nodes that the same rows pass through is one
+    segment; it is kept when reading it once instead of once per row saves at least
+    ``min_saved_tokens`` token reads, so tiny segments do not cost a kernel call each.
+    """
+    root: dict[int, tuple[list[int], dict]] = {}
     for row, table in enumerate(tables):
-        by_first[table[0]].append(row)
-    groups = []
-    for rows in by_first.values():
-        if len(rows) < 2:
-            continue
-        n = min((context_lens[r] - 1) // block_size for r in rows)
-        first = tables[rows[0]]
-        for r in rows[1:]:
-            n = min(n, _common_len(first, tables[r], n))
-        if n > 0:
-            groups.append((rows, n))
-    return groups
-
-
-def _common_len(a: list[int], b: list[int], limit: int) -> int:
-    i = 0
-    while i < limit and a[i] == b[i]:
-        i += 1
-    return i
+        node = root
+        for block in table[: (context_lens[row] - 1) // block_size]:
+            rows, node = node.setdefault(block, ([], {}))
+            rows.append(row)
+    segments = []
+    stack = [(block, entry, 0) for block, entry in root.items()]
+    while stack:
+        block, (rows, children), first = stack.pop()
+        blocks = [block]
+        while len(children) == 1:
+            ((child, (child_rows, grandchildren)),) = children.items()
+            if len(child_rows) != len(rows):
+                break
+            blocks.append(child)
+            children = grandchildren
+        if (len(rows) - 1) * len(blocks) * block_size >= min_saved_tokens:
+            segments.append((rows, first, blocks))
+        stack.extend((child, entry, first + len(blocks)) for child, entry in children.items())
+    return segments
 
 
 def _prefill_segments(prefills: list[tuple[list[int], int, int]], start: int, query_group: int, device):
@@ -259,35 +279,38 @@ def _prefill_attention(q, k_cache, v_cache, seg: PrefillSegment, scale: float) -
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per row; GQA by folding each KV head's query group into the query length."""
+    """One query per row; GQA by folding each KV head's query group into the query length.
+
+    Every row gets one partial result (output + log-sum-exp) from its own blocks (part 0) and
+    one from each shared segment it is in (parts 1..); a softmax over the parts' log-sum-exps
+    weights them into the exact attention over the row's whole context.
+    """
     nd, heads, dim = q.shape
     kvh = k_cache.shape[2]
     qg = q.view(nd, kvh, heads // kvh, dim)  # [nd, kvh, g, D]: kv head i serves query heads i*g..
-    out = torch.empty_like(qg)
-    lse = torch.empty(qg.shape[:3], dtype=torch.float32, device=q.device)  # [nd, kvh, g]
+    parts_out = q.new_zeros(nd, meta.num_decode_parts, *qg.shape[1:])  # [nd, parts, kvh, g, D]
+    parts_lse = torch.full(parts_out.shape[:4], float("-inf"), device=q.device)  # [nd, parts, kvh, g]
     for bucket in meta.suffix_buckets:
         k_buf, v_buf = meta.decode_gather_buffer[:, : bucket.block_tables.numel()]
         k = _gather(k_cache, bucket.block_tables, out=k_buf).transpose(1, 2)  # [n, kvh, S, D]
         v = _gather(v_cache, bucket.block_tables, out=v_buf).transpose(1, 2)
-        out[bucket.rows], lse[bucket.rows] = _flash_with_lse(
+        parts_out[bucket.rows, 0], parts_lse[bucket.rows, 0] = _flash_with_lse(
             qg[bucket.rows], k, v, attn_mask=bucket.mask, scale=scale
         )
-    for shared in meta.shared_prefixes:
-        _merge_shared_prefix(out, lse, qg, k_cache, v_cache, shared, scale)
-    return out.reshape(nd, heads, dim)
+    for segment in meta.shared_segments:
+        out, lse = _segment_attention(qg, k_cache, v_cache, segment, scale)
+        parts_out[segment.rows, segment.parts] = out
+        parts_lse[segment.rows, segment.parts] = lse
+    weights = parts_lse.softmax(dim=1).to(q.dtype)[..., None]  # [nd, parts, kvh, g, 1]
+    return (weights * parts_out).sum(dim=1).reshape(nd, heads, dim)
 
 
-def _merge_shared_prefix(out, lse, qg, k_cache, v_cache, shared: SharedPrefix, scale: float) -> None:
-    """Attend ``shared.rows`` to their common blocks in one call; fold into ``out``/``lse``."""
-    n, (_, kvh, g, dim) = len(shared.rows), qg.shape
-    k = _gather(k_cache, shared.block_ids).transpose(0, 1)[None]  # [1, kvh, P, D]
-    v = _gather(v_cache, shared.block_ids).transpose(0, 1)[None]
-    q = qg[shared.rows].transpose(0, 1).reshape(1, kvh, n * g, dim)  # every row's queries at once
-    out_p, lse_p = _flash_with_lse(q, k, v, scale=scale)
-    out_p = out_p.view(kvh, n, g, dim).transpose(0, 1)  # [n, kvh, g, D]
-    lse_p = lse_p.view(kvh, n, g).transpose(0, 1)  # [n, kvh, g]
-    lse_s = lse[shared.rows]
-    lse_new = torch.logaddexp(lse_s, lse_p)
-    merged = out[shared.rows] * (lse_s - lse_new).exp()[..., None] + out_p * (lse_p - lse_new).exp()[..., None]
-    out[shared.rows] = merged
-    lse[shared.rows] = lse_new
+def _segment_attention(qg, k_cache, v_cache, segment: SharedSegment, scale: float):
+    """All of ``segment.rows``' queries against the segment's blocks in one call.
+    Returns output [n, kvh, g, D] and log-sum-exp [n, kvh, g]."""
+    n, (_, kvh, g, dim) = len(segment.rows), qg.shape
+    k = _gather(k_cache, segment.block_ids).transpose(0, 1)[None]  # [1, kvh, P, D]
+    v = _gather(v_cache, segment.block_ids).transpose(0, 1)[None]
+    q = qg[segment.rows].transpose(0, 1).reshape(1, kvh, n * g, dim)
+    out, lse = _flash_with_lse(q, k, v, scale=scale)
+    return out.view(kvh, n, g, dim).transpose(0, 1), lse.view(kvh, n, g).transpose(0, 1)

@@ -51,7 +51,7 @@ def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
     meta = AttentionMetadata.build(
         [t for t, _ in decodes], [n for _, n in decodes], prefills, slot_mapping=[0] * rows,
         block_size=BS, null_block=0, workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
-        query_group=HEADS // KVH,
+        query_group=HEADS // KVH, min_saved_tokens=1,
     )
     out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
 
@@ -70,19 +70,28 @@ def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
         row += new
 
 
-def test_rows_sharing_leading_blocks_are_grouped():
-    shared = [7, 8, 9]
+def test_rows_read_each_shared_segment_once_and_gather_only_their_own_blocks():
+    # rows 0-2 share blocks 7, 8 (a system prompt); rows 0-1 also share 20 (a conversation)
+    tables = [[7, 8, 20, 30], [7, 8, 20, 31, 32], [7, 8, 40], [50, 51]]
     meta = AttentionMetadata.build(
-        decode_block_tables=[shared + [10], shared + [11, 12], [13, 14]],
-        decode_context_lens=[14, 17, 6],
-        prefills=[], slot_mapping=[0, 0, 0], block_size=BS, null_block=0,
-        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
+        decode_block_tables=tables, decode_context_lens=[14, 17, 10, 6], prefills=[],
+        slot_mapping=[0] * 4, block_size=BS, null_block=0,
+        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32), min_saved_tokens=1,
     )
-    [group] = meta.shared_prefixes
-    assert group.rows.tolist() == [0, 1]
-    assert group.block_ids.tolist() == shared
-    tables = {}
+    segments = sorted((s.rows.tolist(), s.block_ids.tolist()) for s in meta.shared_segments)
+    assert segments == [([0, 1], [20]), ([0, 1, 2], [7, 8])]
+    own = {}
     for bucket in meta.suffix_buckets:
-        for row, table in zip(bucket.rows.tolist(), bucket.block_tables.tolist()):
-            tables[row] = table
-    assert tables[0][:1] == [10] and tables[1] == [11, 12] and tables[2] == [13, 14]
+        for row, table, mask in zip(bucket.rows.tolist(), bucket.block_tables.tolist(), bucket.mask):
+            visible = int((mask == 0).sum())
+            own[row] = (table[: -(-visible // BS)], visible)
+    assert own == {0: ([30], 2), 1: ([31, 32], 5), 2: ([40], 2), 3: ([50, 51], 6)}
+
+
+def test_small_segments_stay_in_each_rows_own_gather():
+    meta = AttentionMetadata.build(
+        decode_block_tables=[[7, 8, 1], [7, 8, 2]], decode_context_lens=[10, 10], prefills=[],
+        slot_mapping=[0, 0], block_size=BS, null_block=0,
+        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32), min_saved_tokens=9,  # saves 8
+    )
+    assert meta.shared_segments == ()
