@@ -15,7 +15,7 @@ from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running requests at once
+    max_num_seqs: int = 128  # running requests at once
     max_num_batched_tokens: int = 512  # tokens computed per step (decodes + prefill chunks)
     max_model_len: int = 8192  # prompt + output; longer requests finish with "length"
     # A waiting request defers while an in-flight prefill is about to compute at least this
