@@ -164,10 +164,10 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, sample, apply stop rules. Returns this step's deltas
-        (they are also buffered for ``stream``/``drain``)."""
+        (buffered requests' deltas are also kept for ``stream``/``drain``)."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            return self._unblock()
+            return [] if out.preempted else self._unblock()
         logits = self.runner.execute(out)
         sampled_chunks = [c for c in out.chunks if c.sample]
         reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]

@@ -87,6 +87,12 @@ class ModelConfig:
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaled = rope.get("rope_type", rope.get("type")) not in (None, "default")
+        max_positions = int(_key(d, "max_position_embeddings"))
+        # NOTE: we attend to the whole context; within Mistral's sliding window that is exact,
+        # so a model with a window serves sequences up to the window's length.
+        window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+        if window:
+            max_positions = min(max_positions, int(window))
         return cls(
             arch=arch,
             vocab_size=int(_key(d, "vocab_size")),
@@ -98,7 +104,7 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or _key(d, "hidden_size") // num_heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(_key(d, "max_position_embeddings")),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
             rope_scaling=RopeScaling.from_hf_dict(rope) if scaled else None,
