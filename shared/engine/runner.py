@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionMetadata, GatherWorkspace
+from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import SchedulerOutput

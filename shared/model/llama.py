@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from kernels.attention import AttentionMetadata, paged_attention, write_kv
+from kernels.attention import paged_attention, write_kv
+from kernels.attention_metadata import AttentionMetadata
 from shared.model.model_config import ModelConfig, RopeScaling
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]

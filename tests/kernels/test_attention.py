@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from kernels.attention import paged_attention
+from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 
 BS, KVH, HEADS, DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cloudd.hf_baseline import build_hf_model
-from kernels.attention import AttentionMetadata, GatherWorkspace
+from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.block_pool import NULL_BLOCK
