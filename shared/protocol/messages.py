@@ -1,0 +1,169 @@
+"""The wire protocol's messages (ARCHITECTURE §4) as typed, frozen dataclasses.
+
+Every message travels as a msgpack map with ``v`` (the protocol version) and ``type``; the
+fields below are the rest of the map (``shared.protocol.codec`` does the conversion and all
+validation). Requests: ``generate``, ``cancel``, ``stats``, ``health``. Replies: ``chunk``,
+``result``, ``error``, and ``stats`` / ``health`` carrying their answers. Enums travel as their
+string values. Tensors never cross the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+PROTOCOL_VERSION = 1
+
+
+class Priority(enum.Enum):
+    """Request classes, most urgent first; ``rank`` is the one sort key (lower runs first)."""
+
+    SAFETY = "safety"
+    INTERACTIVE = "interactive"
+    PLAN = "plan"
+    BACKGROUND = "background"
+
+    @property
+    def rank(self) -> int:
+        return _PRIORITY_RANK[self]
+
+
+_PRIORITY_RANK = {p: i for i, p in enumerate(Priority)}
+
+
+class Escalation(enum.Enum):
+    """Where a robot wants a request served: edged decides (auto), or it is forced."""
+
+    AUTO = "auto"
+    LOCAL = "local"
+    CLOUD = "cloud"
+
+
+class Source(enum.Enum):
+    EDGE = "edge"
+    CLOUD = "cloud"
+
+
+class ErrorCode(enum.Enum):
+    BAD_MESSAGE = "bad_message"  # not msgpack, not a map, missing or mistyped field
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_VERSION = "bad_version"
+    TOO_LARGE = "too_large"
+    INVALID_REQUEST = "invalid_request"  # well-formed but unservable (empty prompt, bad sampling)
+    DEADLINE = "deadline"  # cannot meet, or did not meet, its deadline
+    REJECTED = "rejected"  # overload or shutdown
+    NOT_FOUND = "not_found"  # cancel of an unknown request
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling and stop rules; the engine's SamplingParams validates the values."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Generate text for chat ``messages`` or raw ``prompt_ids`` (exactly one is given)."""
+
+    TYPE: ClassVar[str] = "generate"
+    request_id: str  # idempotency key: a retry with the same id never runs twice
+    messages: tuple[ChatMessage, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    sampling: Sampling = field(default_factory=Sampling)
+    response_format: dict | None = None  # json_schema | json_object | regex | ebnf | skills
+    priority: Priority = Priority.PLAN
+    deadline_ms: int | None = None  # relative to when the server receives the request
+    robot_id: str = ""
+    escalation: Escalation = Escalation.AUTO
+    stream: bool = False
+
+    def __post_init__(self) -> None:
+        if bool(self.messages) == bool(self.prompt_ids):
+            raise ValueError("give exactly one of messages and prompt_ids")
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        if self.deadline_ms is not None and self.deadline_ms <= 0:
+            raise ValueError(f"deadline_ms must be > 0, got {self.deadline_ms}")
+
+
+@dataclass(frozen=True)
+class Cancel:
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A request for the daemon's statistics (``values`` None), or the answer."""
+
+    TYPE: ClassVar[str] = "stats"
+    values: dict | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    """A liveness probe (``status`` None), or the answer ("ok", "draining", ...)."""
+
+    TYPE: ClassVar[str] = "health"
+    status: str | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Streamed progress; ``seq`` counts from 0 so a reconnecting client can resume."""
+
+    TYPE: ClassVar[str] = "chunk"
+    request_id: str
+    seq: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Result:
+    TYPE: ClassVar[str] = "result"
+    request_id: str
+    text: str
+    finish_reason: str  # stop | length | abort | deadline
+    usage: Usage
+    source: Source = Source.CLOUD
+    plan: dict | None = None  # the parsed plan, for structured requests
+    degraded: bool = False  # an edge fallback answered because the cloud could not
+    escalation_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: queue, ttft, e2e, ...
+
+
+@dataclass(frozen=True)
+class Error:
+    TYPE: ClassVar[str] = "error"
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+
+
+Message = Generate | Cancel | Stats | Health | Chunk | Result | Error
+MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (Generate, Cancel, Stats, Health, Chunk, Result, Error)}
