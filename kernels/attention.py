@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, PrefillSegment, SharedSegment
+from kernels.attention_metadata import AttentionMetadata, PrefillSegment
 
 # Returns (output, logsumexp); the public SDPA does not expose the logsumexp a merge needs.
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -96,42 +96,25 @@ def _decode_attention(
 ) -> torch.Tensor:  # [num_decodes, heads, head_dim]
     """One query per row; GQA by folding each KV head's query group into the query length.
 
-    Every row gets one partial result (output + log-sum-exp) from its own blocks (part 0) and
-    one from each shared segment it is in (parts 1..); a softmax over the parts' log-sum-exps
-    weights them into the exact attention over the row's whole context.
+    Every row gets one partial result (output + log-sum-exp) from its own blocks (slot 0) and
+    one from each shared segment it is in; a softmax over the slots' log-sum-exps weights them
+    into the exact attention over the row's whole context.
     """
     nd, heads, dim = q.shape
     kvh = k_cache.shape[2]
-    qg = q.view(nd, kvh, heads // kvh, dim)  # [nd, kvh, g, D]: kv head i serves query heads i*g..
-    parts_out = q.new_zeros(nd, meta.num_decode_parts, *qg.shape[1:])  # [nd, parts, kvh, g, D]
-    parts_lse = torch.full(parts_out.shape[:4], float("-inf"), device=q.device)  # [nd, parts, kvh, g]
-    for bucket in meta.suffix_buckets:
-        k_buf, v_buf = meta.decode_gather_buffer[:, : bucket.block_tables.numel()]
-        k = _gather(k_cache, bucket.block_tables, out=k_buf).transpose(1, 2)  # [n, kvh, S, D]
-        v = _gather(v_cache, bucket.block_tables, out=v_buf).transpose(1, 2)
-        parts_out[bucket.rows, 0], parts_lse[bucket.rows, 0] = _flash_with_lse(
-            qg[bucket.rows], k, v, attn_mask=bucket.mask, scale=scale
-        )
-    for segment in meta.shared_segments:
-        out, lse = _segment_attention(qg, k_cache, v_cache, segment, scale)
-        parts_out[segment.rows, segment.parts] = out
-        parts_lse[segment.rows, segment.parts] = lse
-    weights = parts_lse.softmax(dim=1).to(q.dtype)[..., None]  # [nd, parts, kvh, g, 1]
-    return (weights * parts_out).sum(dim=1).reshape(nd, heads, dim)
-
-
-def _segment_attention(
-    qg: torch.Tensor,  # [num_decodes, kv_heads, group, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    segment: SharedSegment,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """All of ``segment.rows``' queries against the segment's blocks in one call.
-    Returns output [n, kvh, g, D] and log-sum-exp [n, kvh, g]."""
-    n, (_, kvh, g, dim) = len(segment.rows), qg.shape
-    k = _gather(k_cache, segment.block_ids).transpose(0, 1)[None]  # [1, kvh, P, D]
-    v = _gather(v_cache, segment.block_ids).transpose(0, 1)[None]
-    q = qg[segment.rows].transpose(0, 1).reshape(1, kvh, n * g, dim)
-    out, lse = _flash_with_lse(q, k, v, scale=scale)
-    return out.view(kvh, n, g, dim).transpose(0, 1), lse.view(kvh, n, g).transpose(0, 1)
+    g = heads // kvh
+    qg = q.view(nd, kvh, g, dim)  # kv head i serves query heads i*g .. i*g+g-1
+    slots = meta.num_decode_parts + 1  # the last one is the scratch slot padding writes into
+    parts_out = q.new_zeros(nd, slots, kvh, g, dim)
+    parts_lse = torch.full((nd, slots, kvh, g), float("-inf"), device=q.device)
+    for batch in meta.decode_batches:
+        p, r = batch.rows.shape
+        k_buf, v_buf = meta.decode_gather_buffer[:, : batch.block_tables.numel()]
+        k = _gather(k_cache, batch.block_tables, out=k_buf).transpose(1, 2)  # [p, kvh, S, D]
+        v = _gather(v_cache, batch.block_tables, out=v_buf).transpose(1, 2)
+        queries = qg[batch.rows].permute(0, 2, 1, 3, 4).reshape(p, kvh, r * g, dim)  # rows (row, j)
+        out, lse = _flash_with_lse(queries, k, v, attn_mask=batch.mask, scale=scale)
+        parts_out[batch.rows, batch.parts] = out.view(p, kvh, r, g, dim).permute(0, 2, 1, 3, 4)
+        parts_lse[batch.rows, batch.parts] = lse.view(p, kvh, r, g).permute(0, 2, 1, 3)
+    weights = parts_lse[:, :-1].softmax(dim=1).to(q.dtype)[..., None]  # [nd, parts, kvh, g, 1]
+    return (weights * parts_out[:, :-1]).sum(dim=1).reshape(nd, heads, dim)

@@ -29,36 +29,45 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
-class SharedSegment:
-    """Physical blocks that several decode rows' tables hold at the same positions."""
+class DecodeProblem:
+    """Decode rows attending to the same blocks: one row and the blocks only it reads, or
+    several rows and a segment they share. Each row writes its result into slot ``parts[i]``."""
 
-    rows: torch.Tensor  # [n] int64, decode rows (n >= 2)
-    parts: torch.Tensor  # [n] int64, the partial-result slot (>= 1) this segment fills per row
-    block_ids: torch.Tensor  # [p] int64, consecutive logical blocks of each of those rows
+    rows: list[int]
+    parts: list[int]
+    blocks: list[int]
+    num_keys: int  # valid tokens in ``blocks`` (all but the last block are full)
 
 
 @dataclass(frozen=True)
-class SuffixBucket:
-    """Decode rows whose own (unshared) context is of similar length, padded to the longest."""
+class DecodeBatch:
+    """Decode problems of similar shape padded into one kernel call.
 
-    rows: torch.Tensor  # [n] int64 decode rows
-    block_tables: torch.Tensor  # [n, max_blocks] int64; padded with the null block
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] float: 0 visible, -inf padding
+    Padding rows repeat a problem's first row and write into the scratch slot ``num_parts``,
+    which the final combine ignores; padding blocks are the null block, masked out.
+    """
+
+    rows: torch.Tensor  # [p, r] int64 decode rows
+    parts: torch.Tensor  # [p, r] int64 partial-result slot of each row
+    block_tables: torch.Tensor  # [p, b] int64
+    mask: torch.Tensor  # [p, 1, 1, b * block_size] float: 0 visible, -inf padding
 
     @staticmethod
     def build(
-        rows: list[int], tables: list[list[int]], lens: list[int], block_size: int, null_block: int,
+        problems: list[DecodeProblem], scratch_part: int, block_size: int, null_block: int,
         device: torch.device | str,
-    ) -> "SuffixBucket":
-        max_blocks = max(len(t) for t in tables)
-        padded = torch.full((len(rows), max_blocks), null_block, dtype=torch.int64)
-        for i, table in enumerate(tables):
-            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        visible = torch.arange(max_blocks * block_size)[None, :] < torch.tensor(lens)[:, None]
+    ) -> "DecodeBatch":
+        width = max(len(p.rows) for p in problems)
+        depth = max(len(p.blocks) for p in problems)
+        rows = [p.rows + [p.rows[0]] * (width - len(p.rows)) for p in problems]
+        parts = [p.parts + [scratch_part] * (width - len(p.rows)) for p in problems]
+        tables = [p.blocks + [null_block] * (depth - len(p.blocks)) for p in problems]
+        visible = torch.arange(depth * block_size)[None, :] < torch.tensor([p.num_keys for p in problems])[:, None]
         mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
-        return SuffixBucket(
+        return DecodeBatch(
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            block_tables=padded.to(device),
+            parts=torch.tensor(parts, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
             mask=mask.to(device),
         )
 
@@ -69,12 +78,11 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: KV slot of each new token
     num_decodes: int  # the first num_decodes rows are decode queries, one per sequence
-    suffix_buckets: tuple[SuffixBucket, ...]  # every decode row is in exactly one
-    # Reused by every layer and bucket for the gathered suffix K and V: a fresh multi-MB tensor
-    # per layer costs page faults that dwarf the copy itself.
-    decode_gather_buffer: torch.Tensor  # [2, blocks of the largest bucket, block numel]
-    shared_segments: tuple[SharedSegment, ...]
-    num_decode_parts: int  # 1 + the most shared segments any decode row is in
+    decode_batches: tuple[DecodeBatch, ...]
+    num_decode_parts: int  # partial results per decode row: its own blocks + its segments
+    # Reused by every layer and batch for the gathered K and V: a fresh multi-MB tensor per
+    # layer costs page faults that dwarf the copy itself.
+    decode_gather_buffer: torch.Tensor  # [2, blocks of the largest batch, block numel]
     prefills: tuple[PrefillSegment, ...]
 
     @staticmethod
@@ -102,37 +110,16 @@ class AttentionMetadata:
             min_saved_tokens: read a shared segment once when that saves at least this many
                 token reads (smaller ones are cheaper inside each row's own gather).
         """
-        segments = _shared_segments(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
-        covered: list[set[int]] = [set() for _ in decode_block_tables]  # block indices per row
-        parts = []  # per segment, the partial-result slot of each of its rows
-        num_parts = [1] * len(decode_block_tables)
-        for rows, first, blocks in segments:
-            parts.append([num_parts[r] for r in rows])
-            for r in rows:
-                covered[r].update(range(first, first + len(blocks)))
-                num_parts[r] += 1
-        # NOTE: a row's own blocks keep their order, so its partial newest block stays last.
-        suffixes = [[b for i, b in enumerate(t) if i not in c] for t, c in zip(decode_block_tables, covered)]
-        suffix_lens = [n - len(c) * block_size for n, c in zip(decode_context_lens, covered, strict=True)]
-        buckets = tuple(
-            SuffixBucket.build(rows, [suffixes[r] for r in rows], [suffix_lens[r] for r in rows],
-                               block_size, null_block, device)
-            for rows in _length_buckets(suffix_lens)
+        problems, num_parts = _decode_problems(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
+        batches = tuple(
+            DecodeBatch.build(group, num_parts, block_size, null_block, device) for group in _batch_problems(problems)
         )
         return AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             num_decodes=len(decode_block_tables),
-            suffix_buckets=buckets,
-            decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in buckets), default=0)),
-            shared_segments=tuple(
-                SharedSegment(
-                    rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                    parts=torch.tensor(row_parts, dtype=torch.int64, device=device),
-                    block_ids=torch.tensor(blocks, dtype=torch.int64, device=device),
-                )
-                for (rows, _, blocks), row_parts in zip(segments, parts, strict=True)
-            ),
-            num_decode_parts=max(num_parts, default=1),
+            decode_batches=batches,
+            num_decode_parts=num_parts,
+            decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in batches), default=0)),
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
         )
 
@@ -150,16 +137,42 @@ class GatherWorkspace:
         return self._buffer[:, :num_blocks]
 
 
-def _length_buckets(lens: list[int], max_buckets: int = 4, min_fill: float = 0.6) -> list[list[int]]:
-    """Rows split by length, longest first, so padding to a bucket's longest row wastes little:
-    a new bucket starts when a row is shorter than ``min_fill`` of the bucket's longest."""
-    order = sorted(range(len(lens)), key=lambda r: -lens[r])
-    buckets: list[list[int]] = []
-    for r in order:
-        if not buckets or (len(buckets) < max_buckets and lens[r] < min_fill * lens[buckets[-1][0]]):
-            buckets.append([])
-        buckets[-1].append(r)
-    return buckets
+def _decode_problems(
+    tables: list[list[int]], context_lens: list[int], block_size: int, min_saved_tokens: int
+) -> tuple[list[DecodeProblem], int]:
+    """Every decode row's context as problems: the shared segments it is in, then the blocks
+    no segment covers (its own). Returns them and the number of partial slots per row."""
+    segments = _shared_segments(tables, context_lens, block_size, min_saved_tokens)
+    covered: list[set[int]] = [set() for _ in tables]  # block indices per row
+    next_part = [1] * len(tables)  # slot 0: the row's own blocks
+    problems = []
+    for rows, first, blocks in segments:
+        problems.append(DecodeProblem(rows, [next_part[r] for r in rows], blocks, len(blocks) * block_size))
+        for r in rows:
+            covered[r].update(range(first, first + len(blocks)))
+            next_part[r] += 1
+    for r, (table, n) in enumerate(zip(tables, context_lens, strict=True)):
+        # NOTE: a row's own blocks keep their order, so its partial newest block stays last.
+        own = [b for i, b in enumerate(table) if i not in covered[r]]
+        problems.append(DecodeProblem([r], [0], own, n - len(covered[r]) * block_size))
+    return problems, max(next_part, default=1)
+
+
+def _batch_problems(problems: list[DecodeProblem], min_fill: float = 0.6) -> list[list[DecodeProblem]]:
+    """Problems grouped so padding wastes little: by number of rows (rounded up to a power of
+    two), then by length, longest first; a group ends below ``min_fill`` of its longest."""
+    by_width: dict[int, list[DecodeProblem]] = {}
+    for p in problems:
+        by_width.setdefault(1 << (len(p.rows) - 1).bit_length(), []).append(p)
+    groups: list[list[DecodeProblem]] = []
+    for same_width in by_width.values():
+        same_width.sort(key=lambda p: -len(p.blocks))
+        first = len(groups)
+        for p in same_width:
+            if len(groups) == first or len(p.blocks) < min_fill * len(groups[-1][0].blocks):
+                groups.append([])
+            groups[-1].append(p)
+    return groups
 
 
 def _shared_segments(

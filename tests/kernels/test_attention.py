@@ -71,6 +71,19 @@ def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
         row += new
 
 
+def problems_of(meta: AttentionMetadata) -> dict[tuple[int, ...], tuple[list[int], int]]:
+    """rows -> (blocks, visible keys) of every problem in the step's decode batches."""
+    found = {}
+    scratch = meta.num_decode_parts
+    for batch in meta.decode_batches:
+        for rows, parts, table, mask in zip(batch.rows.tolist(), batch.parts.tolist(),
+                                            batch.block_tables.tolist(), batch.mask):
+            real = tuple(r for r, p in zip(rows, parts) if p != scratch)
+            visible = int((mask == 0).sum())
+            found[real] = (table[: -(-visible // BS)], visible)
+    return found
+
+
 def test_rows_read_each_shared_segment_once_and_gather_only_their_own_blocks():
     # rows 0-2 share blocks 7, 8 (a system prompt); rows 0-1 also share 20 (a conversation)
     tables = [[7, 8, 20, 30], [7, 8, 20, 31, 32], [7, 8, 40], [50, 51]]
@@ -79,14 +92,15 @@ def test_rows_read_each_shared_segment_once_and_gather_only_their_own_blocks():
         slot_mapping=[0] * 4, block_size=BS, null_block=0,
         workspace=GatherWorkspace(BS * KVH * DIM, torch.float32), min_saved_tokens=1,
     )
-    segments = sorted((s.rows.tolist(), s.block_ids.tolist()) for s in meta.shared_segments)
-    assert segments == [([0, 1], [20]), ([0, 1, 2], [7, 8])]
-    own = {}
-    for bucket in meta.suffix_buckets:
-        for row, table, mask in zip(bucket.rows.tolist(), bucket.block_tables.tolist(), bucket.mask):
-            visible = int((mask == 0).sum())
-            own[row] = (table[: -(-visible // BS)], visible)
-    assert own == {0: ([30], 2), 1: ([31, 32], 5), 2: ([40], 2), 3: ([50, 51], 6)}
+    assert problems_of(meta) == {
+        (0, 1, 2): ([7, 8], 8),
+        (0, 1): ([20], 4),
+        (0,): ([30], 2),
+        (1,): ([31, 32], 5),
+        (2,): ([40], 2),
+        (3,): ([50, 51], 6),
+    }
+    assert meta.num_decode_parts == 3  # rows 0 and 1: own blocks + two segments
 
 
 def test_small_segments_stay_in_each_rows_own_gather():
@@ -95,4 +109,4 @@ def test_small_segments_stay_in_each_rows_own_gather():
         slot_mapping=[0, 0], block_size=BS, null_block=0,
         workspace=GatherWorkspace(BS * KVH * DIM, torch.float32), min_saved_tokens=9,  # saves 8
     )
-    assert meta.shared_segments == ()
+    assert problems_of(meta) == {(0,): ([7, 8, 1], 10), (1,): ([7, 8, 2], 10)}
