@@ -36,7 +36,7 @@ test: model
 # (about 50 min, most of it the baseline).
 bench: model
 	$(VENV)/bin/cloudd bench --trace ../shared/workloads/fleet-256.jsonl --index radix,hashed \
-		--baseline hf --max-batched-tokens 2048
+		--baseline hf --max-batched-tokens 2048 --max-num-seqs 256
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
