@@ -44,6 +44,16 @@ def load_engine_config(path: Path | str) -> EngineConfig:
     return _build(EngineConfig, {**engine, "scheduler": scheduler}, "engine")
 
 
+def load_section(path: Path | str, table: str, cls):
+    """The ``[table]`` of a daemon's TOML file as dataclass ``cls`` (defaults when absent);
+    an unknown key or a bad value raises ValueError naming the table and key."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    return _build(cls, doc.get(table, {}), table)
+
+
 def _build(cls, table: dict, name: str):
     import dataclasses
 
@@ -51,6 +61,8 @@ def _build(cls, table: dict, name: str):
     for key in table:
         if key not in known:
             raise ValueError(f"[{name}] {key}: unknown key (known: {', '.join(sorted(known))})")
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    table = {k: tuple(v) if isinstance(v, list) and "tuple" in str(hints[k]) else v for k, v in table.items()}
     try:
         return cls(**table)
     except (TypeError, ValueError) as e:

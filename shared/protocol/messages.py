@@ -75,6 +75,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: a fixed output length
     logprobs: bool = False
 
 
@@ -93,6 +94,7 @@ class Generate:
     robot_id: str = ""
     escalation: Escalation = Escalation.AUTO
     stream: bool = False
+    resume_from: int = 0  # on a retry of a stream: resend chunks from this seq on
 
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.prompt_ids):
@@ -101,6 +103,13 @@ class Generate:
             raise ValueError("request_id must not be empty")
         if self.deadline_ms is not None and self.deadline_ms <= 0:
             raise ValueError(f"deadline_ms must be > 0, got {self.deadline_ms}")
+        if self.resume_from < 0:
+            raise ValueError(f"resume_from must be >= 0, got {self.resume_from}")
+
+    def fingerprint(self) -> tuple:
+        """What makes two messages the same request (a retry may differ only in resume_from)."""
+        return (self.messages, self.prompt_ids, self.sampling, self.response_format and repr(self.response_format),
+                self.priority, self.deadline_ms, self.robot_id, self.escalation, self.stream)
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,7 @@ class Result:
     text: str
     finish_reason: str  # stop | length | abort | deadline
     usage: Usage
+    token_ids: tuple[int, ...] = ()  # every generated token (a stop token included)
     source: Source = Source.CLOUD
     plan: dict | None = None  # the parsed plan, for structured requests
     degraded: bool = False  # an edge fallback answered because the cloud could not

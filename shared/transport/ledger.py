@@ -1,0 +1,88 @@
+"""Idempotency and stream resumption on the daemon side: ``request_id`` -> what it produced.
+
+A retried ``generate`` (same ``request_id``, same content) never runs twice: while the first is
+running the retry attaches to it (its sender becomes a subscriber and gets the stream's chunks
+from ``resume_from`` on); after it finished the retry gets the same chunks and ``result`` again,
+for ``ttl_s`` seconds. A different request under a used id is refused. Entries are dropped
+``ttl_s`` after they finish, or oldest-finished first beyond ``max_entries``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shared.protocol.messages import Chunk, Generate, Result
+
+
+@dataclass
+class LedgerEntry:
+    """One request's record: who listens, what it streamed, how it ended."""
+
+    request: Generate
+    subscribers: list[bytes]  # ROUTER identities to send to, oldest first
+    chunks: list[Chunk] = field(default_factory=list)  # kept for resumption (streams only)
+    result: Result | None = None
+    finished_at: float | None = None
+    text: list[str] = field(default_factory=list)  # the text so far (the result's text)
+    token_ids: list[int] = field(default_factory=list)  # the tokens so far
+
+    @property
+    def next_seq(self) -> int:
+        return len(self.chunks)
+
+    def subscribe(self, identity: bytes) -> None:
+        if identity not in self.subscribers:
+            self.subscribers.append(identity)
+
+
+class RequestLedger:
+    def __init__(self, ttl_s: float = 300.0, max_entries: int = 10_000):
+        if ttl_s <= 0 or max_entries < 1:
+            raise ValueError("ttl_s must be > 0 and max_entries >= 1")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._live: dict[str, LedgerEntry] = {}
+        self._finished: OrderedDict[str, LedgerEntry] = OrderedDict()  # in finishing order
+
+    def get(self, request_id: str) -> LedgerEntry | None:
+        return self._live.get(request_id) or self._finished.get(request_id)
+
+    def open(self, request: Generate, identity: bytes) -> LedgerEntry:
+        """Record a new running request (its id must not be in the ledger)."""
+        assert self.get(request.request_id) is None
+        entry = LedgerEntry(request, [identity])
+        self._live[request.request_id] = entry
+        return entry
+
+    def close(self, request_id: str, result: Result, now: float) -> LedgerEntry:
+        """The request ended with ``result``: keep it for retries until ``now + ttl_s``."""
+        entry = self._live.pop(request_id)
+        entry.result = result
+        entry.finished_at = now
+        self._finished[request_id] = entry
+        while len(self._finished) > self.max_entries:
+            self._finished.popitem(last=False)
+        return entry
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request that never really started (rejected after ``open``)."""
+        self._live.pop(request_id, None)
+
+    def expire(self, now: float) -> int:
+        """Drop finished entries older than the TTL; returns how many."""
+        n = 0
+        while self._finished:
+            rid, entry = next(iter(self._finished.items()))
+            if now - entry.finished_at < self.ttl_s:
+                break
+            del self._finished[rid]
+            n += 1
+        return n
+
+    @property
+    def live(self) -> dict[str, LedgerEntry]:
+        return self._live
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._finished)
