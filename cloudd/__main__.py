@@ -1,4 +1,5 @@
-"""cloudd command line: `bench` (trace replay), `chat` (one reply), `serve` (a later issue)."""
+"""cloudd command line: `serve` (the fleet server), `bench` (trace replay, in-process or
+against a running server), `chat` (one reply)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def _comma_list(choices: tuple[str, ...]):
         return items
 
     return parse
+
+
+def _url_list(text: str) -> tuple[str, ...]:
+    urls = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not urls:
+        raise argparse.ArgumentTypeError(f"expected URL[,URL...] (got {text!r})")
+    return urls
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +66,8 @@ def _model_path(args) -> Path:
 
 
 def cmd_bench(args) -> int:
+    if args.serve:
+        return _cmd_serve_bench(args)
     from cloudd.bench import BenchOptions, run_bench
 
     opts = BenchOptions(
@@ -73,6 +83,65 @@ def cmd_bench(args) -> int:
     result = run_bench(opts)
     if args.json:
         print(json.dumps(result))
+    return 0
+
+
+def _cmd_serve_bench(args) -> int:
+    """`bench --serve`: the human-readable report goes to stdout, or to stderr with --json."""
+    from cloudd.serve_bench import ServeBenchOptions, run_serve_bench
+
+    if args.baseline:
+        raise ValueError("--baseline runs in-process: it does not combine with --serve")
+    opts = ServeBenchOptions(trace=args.trace, urls=args.serve, rate_scale=args.rate_scale, limit=args.limit)
+    out = sys.stderr if args.json else sys.stdout
+    result = run_serve_bench(opts, log=lambda msg: print(msg, file=out, flush=True))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    from cloudd.http_api import ApiContext, make_http_server
+    from cloudd.server import CloudServer, ServeConfig
+    from shared.config import load_section
+    from shared.engine.engine import Engine
+    from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
+    from shared.model.checkpoint import load_checkpoint
+    from shared.model.llama import build_model
+    from shared.transport.client import FleetClient
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
+    ports = {"zmq_port": args.zmq_port, "http_port": args.http_port}
+    serve = dataclasses.replace(serve, **{k: v for k, v in ports.items() if v is not None})
+    policy_config = load_section(args.config, "policy", FleetPolicyConfig) if args.config else FleetPolicyConfig()
+    policy = FCFS() if args.policy == "fcfs" else FleetPolicy(policy_config)
+
+    model_path = _model_path(args)
+    ckpt = load_checkpoint(model_path)
+    engine_config = _engine_config(args)
+    model = build_model(ckpt.config, ckpt.weights, dtype=engine_config.torch_dtype)
+    engine = Engine(model, ckpt.tokenizer, engine_config, policy=policy)
+    server = CloudServer(engine, serve, model_name=model_path.stem)
+    client = FleetClient(server.inproc_endpoint, context=server.context)
+    http = make_http_server(serve.http_host, serve.http_port, ApiContext(client, ckpt.tokenizer, server.metrics,
+                                                                         model_path.stem))
+    http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
+    http_thread.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    host, port = http.server_address[:2]
+    print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        http.shutdown()
+        client.close()
+    print("cloudd: stopped", flush=True)
     return 0
 
 
@@ -93,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cloudd", description="fleetserve's fleet daemon")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="replay a fleet trace through the engine in-process")
+    bench = sub.add_parser("bench", help="replay a fleet trace through the engine in-process, or against "
+                                         "running servers (--serve)")
     bench.add_argument("--trace", type=Path, default=bundled_trace())
     bench.add_argument("--index", type=_comma_list(("radix", "hashed")), default=("radix",),
                        help="prefix index variants, comma list (radix,hashed)")
@@ -102,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    bench.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
+                       help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
+                            "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")
+    bench.add_argument("--rate-scale", type=float, default=1.0,
+                       help="with --serve: arrival-rate multiplier (2: requests come twice as fast)")
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -112,8 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="the ZeroMQ / OpenAI server (not built yet)")
-    serve.set_defaults(func=lambda _args: _not_yet("serve"))
+    serve = sub.add_parser("serve", help="the fleet server: ZeroMQ protocol, OpenAI HTTP, /metrics")
+    serve.add_argument("--zmq-port", type=int, help="ZeroMQ ROUTER port on loopback (0: any free port)")
+    serve.add_argument("--http-port", type=int, help="OpenAI / health / metrics HTTP port (0: any free port)")
+    serve.add_argument("--policy", choices=["fleet", "fcfs"], default="fleet",
+                       help="scheduling: fleet (classes, deadlines, fairness; default) or fcfs (a baseline)")
+    _engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     try:
@@ -121,11 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: ModelFetchError, HF baseline
         print(f"cloudd: error: {e}", file=sys.stderr)
         return 2
-
-
-def _not_yet(command: str) -> int:
-    print(f"usage: cloudd {{bench,chat}} ...\n'cloudd {command}' arrives with the fleet server.", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

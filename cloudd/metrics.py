@@ -1,0 +1,85 @@
+"""Prometheus metrics of cloudd (served at ``/metrics`` on the HTTP port).
+
+Histograms (seconds): TTFT, TPOT, end-to-end and queue time, labelled by priority class and
+robot. Robot labels are bounded: the first ``max_robot_labels`` robots seen get their own label,
+every later one is counted as ``other``, so a large fleet cannot blow up the series count.
+Gauges: running and waiting requests, KV blocks used and total. Counters: requests by
+outcome, prefix-cache hit tokens, prompt tokens, preemptions, deadline misses, rejections by
+reason.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cloudd.monitor import RequestRecord
+from shared.engine.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
+OTHER_ROBOTS = "other"
+
+
+class ServerMetrics:
+    def __init__(self, max_robot_labels: int = 64):
+        self.registry = CollectorRegistry()
+        self.max_robot_labels = max_robot_labels
+        self._robots: set[str] = set()
+        labels = ("priority", "robot")
+        r = self.registry
+        self.ttft = Histogram("fleetserve_ttft_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("fleetserve_tpot_seconds", "Time per output token after the first", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("fleetserve_e2e_seconds", "End-to-end request time", labels, buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("fleetserve_queue_seconds", "Time from arrival to first scheduling", labels,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("fleetserve_requests", "Finished requests by outcome", ("priority", "finish_reason"),
+                                registry=r)
+        self.output_tokens = Counter("fleetserve_output_tokens", "Generated tokens", ("priority",), registry=r)
+        self.rejections = Counter("fleetserve_rejections", "Requests refused at submit", ("priority", "reason"),
+                                  registry=r)
+        self.running = Gauge("fleetserve_running_requests", "Requests running in the engine", registry=r)
+        self.waiting = Gauge("fleetserve_waiting_requests", "Requests waiting in the engine", registry=r)
+        self.kv_used = Gauge("fleetserve_kv_blocks_used", "KV blocks in use (running or cached)", registry=r)
+        self.kv_total = Gauge("fleetserve_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.prompt_tokens = Counter("fleetserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.hit_tokens = Counter("fleetserve_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache",
+                                  registry=r)
+        self.preemptions = Counter("fleetserve_preemptions", "Requests preempted", registry=r)
+        self.deadline_misses = Counter("fleetserve_deadline_misses", "Requests ended by their deadline", registry=r)
+        self._last: dict[Counter, float] = {}
+
+    def robot_label(self, robot_id: str) -> str:
+        if robot_id in self._robots:
+            return robot_id
+        if len(self._robots) < self.max_robot_labels:
+            self._robots.add(robot_id)
+            return robot_id
+        return OTHER_ROBOTS
+
+    def on_reject(self, priority: str, reason: str) -> None:
+        self.rejections.labels(priority, reason).inc()
+
+    def on_finish(self, rec: RequestRecord) -> None:
+        labels = (rec.priority, self.robot_label(rec.robot_id))
+        for hist, value in ((self.ttft, rec.ttft_s), (self.tpot, rec.tpot_s), (self.e2e, rec.e2e_s),
+                            (self.queue, rec.queue_s)):
+            if value is not None:
+                hist.labels(*labels).observe(value)
+        self.requests.labels(rec.priority, rec.finish_reason).inc()
+        self.output_tokens.labels(rec.priority).inc(rec.output_tokens)
+
+    def on_engine(self, s: EngineStats) -> None:
+        """Follow the engine's gauges and its cumulative counts."""
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.kv_used.set(s.blocks_used)
+        self.kv_total.set(s.blocks_total)
+        for counter, total in ((self.prompt_tokens, s.prompt_tokens), (self.hit_tokens, s.cache_hit_tokens),
+                               (self.preemptions, s.preemptions), (self.deadline_misses, s.deadline_misses)):
+            counter.inc(total - self._last.get(counter, 0))
+            self._last[counter] = total
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

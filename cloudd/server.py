@@ -1,0 +1,294 @@
+"""cloudd's core: one thread that owns the engine and a ZeroMQ ROUTER socket.
+
+Each turn of the loop reads every message waiting on the socket, answers it (or queues a
+``generate`` in the engine), runs one engine step if there is work, and sends each delta to the
+requests' subscribers. Nothing else touches the engine, so it needs no lock. The HTTP front end
+(``cloudd.http_api``) is a protocol client of this loop over ``inproc``.
+
+Bad input never stops the loop: undecodable bytes, wrong versions, unknown types, bad field
+values and unservable requests all get an ``error`` reply with a code; the message that caused
+it changes nothing. ``stop()`` (or SIGTERM/SIGINT in ``cloudd serve``) drains: new requests
+are rejected, running ones get ``shutdown_grace_s`` to finish, the rest are cancelled with a
+``result`` (finish reason ``abort``) so every client hears how its request ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from cloudd.metrics import ServerMetrics
+from cloudd.monitor import FleetMonitor, RequestRecord
+from shared.engine.engine import DeadlineUnmeetable, Engine, TokenDelta
+from shared.engine.request import Request
+from shared.engine.sampling_params import SamplingParams
+from shared.protocol.codec import ProtocolError, decode, encode
+from shared.protocol.messages import (
+    Cancel,
+    Chunk,
+    Error,
+    ErrorCode,
+    Generate,
+    Health,
+    Message,
+    Result,
+    Source,
+    Stats,
+    Usage,
+)
+from shared.transport.ledger import LedgerEntry, RequestLedger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The ``[serve]`` table of cloudd's config."""
+
+    zmq_host: str = "127.0.0.1"
+    zmq_port: int = 5555
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    result_ttl_s: float = 300.0  # finished results kept for retries with the same request_id
+    max_waiting: int = 4096  # more waiting requests than this: new ones are rejected (overload)
+    shutdown_grace_s: float = 30.0  # on stop, running requests get this long to finish
+    idle_poll_ms: int = 50  # how long the loop sleeps on the socket when the engine is idle
+    max_robot_labels: int = 64  # Prometheus robot labels before "other"
+
+    def __post_init__(self) -> None:
+        for name in ("zmq_port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be a port number, got {getattr(self, name)}")
+        if self.result_ttl_s <= 0 or self.max_waiting < 1 or self.shutdown_grace_s < 0 or self.idle_poll_ms < 1:
+            raise ValueError("result_ttl_s > 0, max_waiting >= 1, shutdown_grace_s >= 0, idle_poll_ms >= 1")
+
+
+class CloudServer:
+    def __init__(self, engine: Engine, config: ServeConfig, model_name: str, context: zmq.Context | None = None):
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name
+        self.context = context or zmq.Context.instance()
+        self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
+        self.monitor = FleetMonitor(model_name, engine.scheduler.policy.name)
+        self.metrics = ServerMetrics(config.max_robot_labels)
+        self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
+        self._stop = threading.Event()
+        self._draining = False
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 1000)  # let the last replies out on close
+        self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
+        self.socket.bind(self.inproc_endpoint)
+        self.endpoint = self._bind_tcp()
+
+    def _bind_tcp(self) -> str:
+        c = self.config
+        if c.zmq_port == 0:
+            port = self.socket.bind_to_random_port(f"tcp://{c.zmq_host}")
+        else:
+            port = c.zmq_port
+            self.socket.bind(f"tcp://{c.zmq_host}:{port}")
+        return f"tcp://{c.zmq_host}:{port}"
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to drain and return (safe from any thread or a signal handler)."""
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        """Run until ``stop()``, then drain; closes the socket on return."""
+        grace_ends: float | None = None
+        try:
+            while True:
+                if self._stop.is_set() and grace_ends is None:
+                    self._draining = True
+                    grace_ends = time.monotonic() + self.config.shutdown_grace_s
+                    log.info("draining: %d requests live", len(self._requests))
+                if grace_ends is not None and (not self._requests or time.monotonic() >= grace_ends):
+                    self._cancel_all("server shutting down")
+                    return
+                busy = self.engine.has_unfinished
+                if self.socket.poll(0 if busy else self.config.idle_poll_ms):
+                    self._read_all()
+                if self.engine.has_unfinished:
+                    self._step()
+                self.ledger.expire(time.monotonic())
+        finally:
+            self.socket.close()
+
+    def _read_all(self, limit: int = 1000) -> None:
+        for _ in range(limit):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = frames[0]
+            try:
+                if len(frames) != 2:
+                    raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
+                self._handle(identity, decode(frames[1]))
+            except ProtocolError as e:
+                self._send(identity, Error(e.code, e.message, e.request_id))
+            except Exception as e:  # a bug must not take the fleet's server down
+                log.exception("internal error handling a message")
+                self._send(identity, Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}"))
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception:
+            log.exception("engine step failed: cancelling every live request")
+            self._cancel_all("internal error in the engine", ErrorCode.INTERNAL)
+            return
+        for delta in deltas:
+            self._publish(delta)
+        self.metrics.on_engine(self.engine.stats())
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _handle(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Generate):
+            self._on_generate(identity, msg)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(identity, msg)
+        elif isinstance(msg, Stats):
+            self._send(identity, Stats(self.snapshot()))
+        elif isinstance(msg, Health):
+            self._send(identity, Health("draining" if self._draining else "ok"))
+        else:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.TYPE!r} is a reply, not a request",
+                                getattr(msg, "request_id", None))
+
+    def _on_generate(self, identity: bytes, msg: Generate) -> None:
+        entry = self.ledger.get(msg.request_id)
+        if entry is not None:
+            self._attach(identity, msg, entry)
+            return
+        reject = self._admission_error(msg)
+        if reject is not None:
+            self._reject(identity, msg, reject)
+            return
+        try:
+            prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
+            self.engine.submit(
+                prompt, _sampling(msg), msg.request_id, buffered=False, priority=msg.priority,
+                robot_id=msg.robot_id, deadline_s=None if msg.deadline_ms is None else msg.deadline_ms / 1000,
+                response_format=msg.response_format,
+            )
+        except DeadlineUnmeetable as e:
+            self._reject(identity, msg, Error(ErrorCode.DEADLINE, str(e), msg.request_id))
+            return
+        except ValueError as e:
+            self._reject(identity, msg, Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id))
+            return
+        self._requests[msg.request_id] = self.engine.get_request(msg.request_id)
+        self.ledger.open(msg, identity)
+        self.monitor.on_submit(msg.robot_id)
+
+    def _admission_error(self, msg: Generate) -> Error | None:
+        if self._draining:
+            return Error(ErrorCode.REJECTED, "server is shutting down", msg.request_id)
+        if self.engine.stats().waiting >= self.config.max_waiting:
+            return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_waiting} requests waiting", msg.request_id)
+        return None
+
+    def _reject(self, identity: bytes, msg: Generate, error: Error) -> None:
+        self.monitor.on_reject()
+        self.metrics.on_reject(msg.priority.value, error.code.value)
+        self._send(identity, error)
+
+    def _attach(self, identity: bytes, msg: Generate, entry: LedgerEntry) -> None:
+        """A retry: the same request again attaches to it; another one under its id is refused."""
+        if entry.request.fingerprint() != msg.fingerprint():
+            self._send(identity, Error(ErrorCode.INVALID_REQUEST,
+                                       f"request_id {msg.request_id!r} is in use by a different request",
+                                       msg.request_id))
+            return
+        entry.subscribe(identity)
+        if entry.request.stream:
+            for chunk in entry.chunks[msg.resume_from:]:
+                self._send(identity, chunk)
+        if entry.result is not None:
+            self._send(identity, entry.result)
+
+    def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
+        entry = self.ledger.get(msg.request_id)
+        if entry is None:
+            self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
+            return
+        if entry.result is None:
+            self._publish(self.engine.abort(msg.request_id))
+            if identity in entry.subscribers:
+                return  # the result just went to it
+        self._send(identity, entry.result)
+
+    def _publish(self, delta: TokenDelta) -> None:
+        entry = self.ledger.live.get(delta.request_id)
+        if entry is None:
+            return
+        entry.text.append(delta.text)
+        entry.token_ids.extend(delta.token_ids)
+        self.monitor.on_tokens(len(delta.token_ids))
+        if entry.request.stream and (delta.token_ids or delta.text):
+            chunk = Chunk(delta.request_id, entry.next_seq, tuple(delta.token_ids), delta.text)
+            entry.chunks.append(chunk)
+            for identity in entry.subscribers:
+                self._send(identity, chunk)
+        if delta.finished:
+            self._finish(entry, self._requests.pop(delta.request_id))
+
+    def _finish(self, entry: LedgerEntry, req: Request) -> None:
+        record = RequestRecord.of(req, self.monitor.clock())
+        result = Result(
+            request_id=req.request_id,
+            text="".join(entry.text),
+            finish_reason=record.finish_reason,
+            usage=Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens),
+            token_ids=tuple(entry.token_ids),
+            source=Source.CLOUD,
+            timings=record.timings(),
+        )
+        self.ledger.close(req.request_id, result, time.monotonic())
+        for identity in entry.subscribers:
+            self._send(identity, result)
+        self.monitor.on_finish(record)
+        self.metrics.on_finish(record)
+
+    def _cancel_all(self, why: str, code: ErrorCode | None = None) -> None:
+        """End every live request: with an ``error`` of ``code``, or as cancelled (``abort``)."""
+        for rid in list(self._requests):
+            entry = self.ledger.live[rid]
+            if code is not None:
+                self.engine.abort(rid)
+                self._requests.pop(rid)
+                self.ledger.discard(rid)
+                for identity in entry.subscribers:
+                    self._send(identity, Error(code, why, rid))
+                continue
+            delta = self.engine.abort(rid)
+            if delta is not None:
+                self._publish(delta)
+        log.info("cancelled live requests: %s", why)
+
+    def snapshot(self) -> dict:
+        """The ``stats`` reply (see ``cloudd.monitor``)."""
+        return self.monitor.snapshot(self.engine.stats(), self._requests.values(), self._draining, self.engine.clock())
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full: it is gone or stuck; a retry resends
+            log.warning("dropped a %s to a peer that does not read", msg.TYPE)
+
+
+def _sampling(msg: Generate) -> SamplingParams:
+    s = msg.sampling
+    return SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+    )

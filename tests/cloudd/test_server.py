@@ -1,0 +1,326 @@
+"""cloudd's core loop in-process with the tiny model, over real ZeroMQ sockets on loopback:
+bad input, idempotent retries, stream resumption, cancel, deadlines, overload, shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cloudd.server import CloudServer, ServeConfig
+from shared.engine.engine import Engine
+from shared.engine.engine_config import EngineConfig
+from shared.engine.policy import FleetPolicy
+from shared.protocol.codec import decode, encode
+from shared.protocol.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    ChatMessage,
+    Chunk,
+    Error,
+    ErrorCode,
+    Generate,
+    Health,
+    Message,
+    Result,
+    Sampling,
+    Stats,
+    Usage,
+)
+from shared.transport.client import ClientConfig, FleetClient, RequestFailed
+from tests.engine.tiny import greedy_reference, tiny_model
+
+MODEL = tiny_model(tie_word_embeddings=False)
+PROMPT = (5, 9, 2, 77, 31, 8, 8, 1, 40)
+
+
+@contextlib.contextmanager
+def running_server(**serve) -> Iterator[CloudServer]:
+    """A CloudServer with the tiny model in a thread; stopped (drained) on exit."""
+    engine = Engine(MODEL, None, EngineConfig(block_size=4, num_blocks=512), policy=FleetPolicy())
+    server = CloudServer(engine, ServeConfig(zmq_port=0, **serve), "tiny")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[CloudServer]:
+    with running_server() as srv:
+        yield srv
+
+
+class Peer:
+    """A raw DEALER socket: send any bytes, read decoded replies."""
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, msg: Message | bytes) -> None:
+        self.sock.send(msg if isinstance(msg, bytes) else encode(msg))
+
+    def recv(self, timeout_s: float = 5.0) -> Message:
+        if not self.sock.poll(timeout_s * 1000):
+            raise TimeoutError("no reply")
+        return decode(self.sock.recv())
+
+    def until_result(self, timeout_s: float = 10.0) -> tuple[list[Chunk], Result | Error]:
+        chunks = []
+        while True:
+            msg = self.recv(timeout_s)
+            if isinstance(msg, Chunk):
+                chunks.append(msg)
+            else:
+                return chunks, msg
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def peer(server) -> Iterator[Peer]:
+    p = Peer(server.endpoint)
+    yield p
+    p.close()
+
+
+def gen(rid: str, max_tokens: int = 6, prompt=PROMPT, **kw) -> Generate:
+    return Generate(rid, prompt_ids=tuple(prompt), sampling=Sampling(max_tokens=max_tokens, ignore_eos=True), **kw)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload, code", [
+    (b"\xc1\xff garbage", ErrorCode.BAD_MESSAGE),
+    (msgpack.packb({"v": 99, "type": "health"}), ErrorCode.BAD_VERSION),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "type": "launch_rockets"}), ErrorCode.UNKNOWN_TYPE),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "type": "generate", "request_id": "x"}), ErrorCode.BAD_MESSAGE),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "type": "cancel", "request_id": 7}), ErrorCode.BAD_MESSAGE),
+    (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
+])
+def test_bad_input_gets_an_error_reply_and_the_server_keeps_serving(peer, payload, code):
+    peer.send(payload)
+    reply = peer.recv()
+    assert isinstance(reply, Error) and reply.code is code
+    peer.send(Health())
+    assert peer.recv() == Health("ok")
+
+
+def test_a_reply_message_sent_as_a_request_is_refused(peer):
+    peer.send(Chunk("r", 0, (1,), "x"))
+    reply = peer.recv()
+    assert isinstance(reply, Error) and reply.code is ErrorCode.BAD_MESSAGE and reply.request_id == "r"
+
+
+def test_extra_frames_are_refused(peer):
+    peer.sock.send_multipart([b"a", b"b"])
+    reply = peer.recv()
+    assert isinstance(reply, Error) and reply.code is ErrorCode.BAD_MESSAGE
+
+
+@pytest.mark.parametrize("request_, words", [
+    (Generate("bad-sampling", prompt_ids=PROMPT, sampling=Sampling(top_p=0.0)), "top_p"),
+    (Generate("bad-token", prompt_ids=(5, 1000)), "token ids"),
+    (Generate("no-tokenizer", messages=(ChatMessage("user", "hi"),)), "tokenizer"),
+    (Generate("formatted", prompt_ids=PROMPT, response_format={"type": "json_object"}), "tokenizer"),
+    (Generate("bad-format", prompt_ids=PROMPT, response_format={"type": "yaml"}), "yaml"),
+])
+def test_unservable_requests_are_invalid_and_nothing_runs(peer, server, request_, words):
+    peer.send(request_)
+    reply = peer.recv()
+    assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_REQUEST and words in reply.message
+    assert request_.request_id not in server.ledger.live
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(
+    st.binary(max_size=64),
+    st.dictionaries(st.sampled_from(["v", "type", "request_id", "prompt_ids", "sampling", "priority", "x"]),
+                    st.one_of(st.integers(-2, 2), st.text(max_size=8), st.none(), st.lists(st.integers(0, 200), max_size=4),
+                              st.sampled_from(["generate", "cancel", "stats", "health", PROTOCOL_VERSION])),
+                    max_size=6).map(msgpack.packb),
+))
+def test_fuzzed_input_always_gets_one_reply_and_never_kills_the_server(peer, data):
+    peer.send(data)
+    # NOTE: a fuzzed map is sometimes a valid request: then its own answer comes back.
+    assert isinstance(peer.recv(timeout_s=30), Error | Result | Stats | Health)
+    peer.send(Health())
+    assert isinstance(peer.recv(), Health)
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+def test_tokens_over_the_wire_match_the_reference_generation(server):
+    with FleetClient(server.endpoint) as client:
+        result = client.generate(gen("ref", max_tokens=8))
+    assert list(result.token_ids) == greedy_reference(MODEL, list(PROMPT), 8)
+    assert result.finish_reason == "length" and result.usage.completion_tokens == 8
+    assert {"ttft_s", "e2e_s", "queue_s"} <= set(result.timings)
+
+
+def test_a_stream_numbers_its_chunks_and_they_add_up_to_the_result(server):
+    with FleetClient(server.endpoint) as client:
+        events = list(client.stream(gen("stream", max_tokens=5)))
+    chunks, result = events[:-1], events[-1]
+    assert [c.seq for c in chunks] == list(range(5))
+    assert tuple(t for c in chunks for t in c.token_ids) == result.token_ids
+
+
+def test_a_retry_attaches_to_the_running_request_and_it_runs_once(server):
+    a, b = Peer(server.endpoint), Peer(server.endpoint)
+    before = server.snapshot()["totals"]["requests"]
+    a.send(gen("once", max_tokens=30))
+    b.send(gen("once", max_tokens=30))  # another connection, the same request
+    (_, ra), (_, rb) = a.until_result(), b.until_result()
+    assert ra == rb and isinstance(ra, Result)
+    b.send(gen("once", max_tokens=30))  # after it finished: the kept result
+    assert b.until_result()[1] == ra
+    assert server.snapshot()["totals"]["requests"] == before + 1
+    a.close(), b.close()
+
+
+def test_another_request_under_a_used_id_is_refused(peer):
+    peer.send(gen("taken", max_tokens=2))
+    peer.until_result()
+    peer.send(gen("taken", max_tokens=3))
+    reply = peer.recv()
+    assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_REQUEST and "different" in reply.message
+
+
+def test_a_reconnecting_client_resumes_a_stream_from_its_last_chunk(server):
+    first = Peer(server.endpoint)
+    first.send(gen("resume", max_tokens=40, stream=True))
+    got = [first.recv(), first.recv(), first.recv()]
+    first.close()  # the link drops after three chunks
+    second = Peer(server.endpoint)
+    second.send(gen("resume", max_tokens=40, stream=True, resume_from=3))
+    rest, result = second.until_result()
+    assert [c.seq for c in got + rest] == list(range(40))
+    assert tuple(t for c in got + rest for t in c.token_ids) == result.token_ids
+    second.close()
+
+
+def test_cancel_mid_stream_ends_it_with_abort_and_frees_its_kv(server, peer):
+    peer.send(gen("cancel-me", max_tokens=500, stream=True))
+    assert isinstance(peer.recv(), Chunk)
+    peer.send(Cancel("cancel-me"))
+    chunks, result = peer.until_result()
+    assert isinstance(result, Result) and result.finish_reason == "abort"
+    assert result.usage.completion_tokens < 500
+    stats = server.snapshot()  # nothing else runs on this server now
+    assert stats["engine"]["kv_blocks_in_requests"] == 0 and stats["running"] == []
+    peer.send(Cancel("cancel-me"))  # cancelling again returns how it ended
+    assert peer.recv() == result
+
+
+def test_cancel_of_an_unknown_request_is_not_found(peer):
+    peer.send(Cancel("never-sent"))
+    reply = peer.recv()
+    assert isinstance(reply, Error) and reply.code is ErrorCode.NOT_FOUND
+
+
+def test_stats_and_health_answer(peer):
+    peer.send(Stats())
+    stats = peer.recv()
+    assert isinstance(stats, Stats) and stats.values["model"] == "tiny" and stats.values["policy"] == "fleet"
+    peer.send(Health())
+    assert peer.recv() == Health("ok")
+
+
+# --- deadlines, overload, shutdown -----------------------------------------------------------------
+
+
+def test_a_running_request_is_stopped_at_its_deadline(peer):
+    peer.send(gen("deadline-stop", max_tokens=1500, deadline_ms=100))
+    _, result = peer.until_result()
+    assert isinstance(result, Result) and result.finish_reason == "deadline"
+    assert 0 < result.usage.completion_tokens < 1500
+
+
+def test_a_hopeless_deadline_is_rejected_at_once_with_a_deadline_error():
+    with running_server() as srv:
+        srv.engine.scheduler.rate.observe(num_tokens=10, seconds=1.0)  # as if 0.1 s per token
+        p = Peer(srv.endpoint)
+        p.send(gen("hopeless", deadline_ms=200))  # 9 prompt tokens: ~0.9 s to the first token
+        reply = p.recv()
+        assert isinstance(reply, Error) and reply.code is ErrorCode.DEADLINE and reply.request_id == "hopeless"
+        assert srv.snapshot()["totals"]["rejected"] == 1
+        p.close()
+
+
+def test_overload_is_rejected_with_a_reason():
+    with running_server(max_waiting=1) as srv:
+        p = Peer(srv.endpoint)
+        for i in range(6):
+            p.send(gen(f"load-{i}", max_tokens=200))
+        replies = [p.until_result()[1] for _ in range(6)]
+        rejected = [r for r in replies if isinstance(r, Error)]
+        assert rejected and all(r.code is ErrorCode.REJECTED and "overloaded" in r.message for r in rejected)
+        assert any(isinstance(r, Result) for r in replies)
+        p.close()
+
+
+def test_shutdown_rejects_new_work_and_cancels_what_runs_with_a_reply():
+    with running_server(shutdown_grace_s=0.3) as srv:
+        p = Peer(srv.endpoint)
+        p.send(gen("long", max_tokens=1900))
+        time.sleep(0.2)
+        srv.stop()
+        time.sleep(0.05)
+        q = Peer(srv.endpoint)
+        q.send(gen("late"))
+        late = q.recv()
+        assert isinstance(late, Error) and late.code is ErrorCode.REJECTED
+        _, result = p.until_result()
+        assert isinstance(result, Result) and result.finish_reason == "abort"
+        p.close(), q.close()
+
+
+# --- the client's retries and heartbeats -------------------------------------------------------------
+
+
+def test_the_client_retries_a_silent_daemon_with_the_same_request_id():
+    """A fake daemon ignores the first generate; the client probes, reconnects, sends it again."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = FleetClient(f"tcp://127.0.0.1:{port}", ClientConfig(timeout_s=0.5, heartbeat_s=0.1, retries=2))
+    call = client.start(gen("retry-me"))
+    seen: list[Message] = []
+    while sum(isinstance(m, Generate) for m in seen) < 2:
+        assert router.poll(5000), "the client never retried"
+        identity, data = router.recv_multipart()
+        seen.append(decode(data))
+    assert [m.request_id for m in seen if isinstance(m, Generate)] == ["retry-me", "retry-me"]
+    assert any(isinstance(m, Health) for m in seen)  # heartbeats probed the silent daemon
+    result = Result("retry-me", "ok", "stop", usage=Usage(9, 1))
+    router.send_multipart([identity, encode(result)])
+    assert call.result(timeout_s=5) == result
+    client.close()
+    router.close()
+
+
+def test_the_client_gives_up_with_unavailable_after_its_retries():
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = FleetClient(f"tcp://127.0.0.1:{port}", ClientConfig(timeout_s=0.2, heartbeat_s=0.05, retries=1))
+    with pytest.raises(RequestFailed) as info:
+        client.generate(gen("nobody-home"), timeout_s=5)
+    assert info.value.code is ErrorCode.UNAVAILABLE
+    client.close()
+    router.close()

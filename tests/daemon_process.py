@@ -1,0 +1,62 @@
+"""Run a fleetserve daemon as a real child process on loopback for integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+
+class DaemonProcess:
+    """``python -m <module> <args>``; waits for its ready line on stdout.
+
+    ``fields`` holds the ``key=value`` pairs of the ready line (e.g. ``zmq``, ``http``). stderr
+    goes to a temporary file, shown by ``log()`` when a test needs to explain a failure.
+    """
+
+    def __init__(self, module: str, args: list[str], ready: str, timeout_s: float = 180.0):
+        self._stderr = tempfile.NamedTemporaryFile(prefix=f"{module}-", suffix=".log", delete=False)
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        self.lines: list[str] = []
+        found = threading.Event()
+        self.fields: dict[str, str] = {}
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                if line.startswith(ready) and not found.is_set():
+                    self.fields = dict(re.findall(r"(\w+)=(\S+)", line))
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(timeout_s) or not self.fields:
+            self.kill()
+            raise RuntimeError(f"{module} did not become ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return Path(self._stderr.name).read_text(errors="replace")[-4000:]
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (a graceful shutdown) and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
