@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model demo test bench clean
+.PHONY: setup model demo test bench bench-serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ test: model
 bench: model
 	$(VENV)/bin/cloudd bench --trace ../shared/workloads/fleet-256.jsonl --index radix,hashed \
 		--baseline hf --max-batched-tokens 2048 --max-num-seqs 256
+
+# Two servers on loopback (fleet and fcfs policies), fleet-256 replayed against each with its
+# arrival times at twice the rate: TTFT per priority class and fleet's throughput over fcfs
+# (about 15 min). The servers are stopped even if the bench fails.
+bench-serve: model
+	.ci/bench-serve.sh $(VENV)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
