@@ -1,0 +1,207 @@
+"""GrammarSpec -> xgrammar CompiledGrammar for one model: cached, and compiled off the caller's thread.
+
+Compilation precomputes token masks over the whole vocabulary (tens of ms for a skill plan,
+seconds for a large schema), so the engine asks with `compile_async` and keeps stepping other
+requests until the future is done. `validate` is the cheap synchronous check (it only converts
+the spec to a grammar, no token masks), for rejecting a bad request at admission.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import tokenizers
+import xgrammar as xgr
+
+from shared.engine.grammar.response_format import GrammarSpec
+from shared.model.tokenizer import Tokenizer
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a check text.
+_XGR_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass
+class CompileStats:
+    """Counters since construction. A `join` is a request for a spec that was already compiling."""
+
+    compiles: int = 0
+    cache_hits: int = 0
+    joins: int = 0
+    failures: int = 0
+    compile_seconds: float = 0.0
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one model's tokenizer; thread-safe.
+
+    JSON is constrained to one line with `", "` / `": "` separators, as the fleet prompts write
+    it (free whitespace lets a small model emit newlines until max_tokens), and to xgrammar's
+    strict mode: no properties or items beyond those the schema lists.
+
+    Compiled grammars are kept in an LRU of `max_cached` entries keyed by (tokenizer
+    fingerprint, spec). One worker thread compiles (xgrammar releases the GIL while it does);
+    its `compile_threads` are xgrammar's own threads for building one grammar's masks.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, *, max_cached: int = 128,
+                 compile_threads: int = 8) -> None:
+        if max_cached < 1:
+            raise ValueError(f"max_cached must be >= 1, got {max_cached}")
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size)
+        self.vocab_size: int = self.tokenizer_info.vocab_size  # the model's: width of logits and masks
+        self.fingerprint = hashlib.sha256(self.tokenizer_info.serialize_json().encode()).hexdigest()[:16]
+        self.stats = CompileStats()
+        self._max_cached = max_cached
+        # NOTE: xgrammar's own cache is unbounded by count; ours is the one bound.
+        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, GrammarSpec], xgr.CompiledGrammar] = OrderedDict()
+        self._inflight: dict[tuple[str, GrammarSpec], Future[xgr.CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+
+    def validate(self, spec: GrammarSpec) -> None:
+        """Raise ValueError naming the problem if xgrammar rejects `spec`; cheap (no token masks)."""
+        parse_grammar(spec)
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec`, waiting for it; ValueError if xgrammar rejects the spec."""
+        return self.compile_async(spec).result()
+
+    def compile_async(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar; never blocks on compilation.
+
+        A cached spec gets an already-done future; a spec being compiled gets the same future as
+        the first request. The future raises ValueError if xgrammar rejects the spec; failures
+        are not cached.
+        """
+        key = (self.fingerprint, spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.stats.cache_hits += 1
+                done: Future[xgr.CompiledGrammar] = Future()
+                done.set_result(compiled)
+                return done
+            future = self._inflight.get(key)
+            if future is not None:
+                self.stats.joins += 1
+                return future
+            # NOTE: submitted under the lock, so the worker cannot finish before _inflight holds it.
+            future = self._worker.submit(self._compile_now, key)
+            self._inflight[key] = future
+            return future
+
+    def precompile(self, specs: Iterable[GrammarSpec]) -> list[Future[xgr.CompiledGrammar]]:
+        """Queue `specs` for compilation (e.g. the fleet's plan schemas at startup)."""
+        return [self.compile_async(spec) for spec in specs]
+
+    def cached(self) -> int:
+        """Number of compiled grammars held."""
+        with self._lock:
+            return len(self._cache)
+
+    def close(self) -> None:
+        """Stop the worker; queued compilations are cancelled."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def _compile_now(self, key: tuple[str, GrammarSpec]) -> xgr.CompiledGrammar:
+        _, spec = key
+        start = time.perf_counter()
+        try:
+            compiled = _compile_grammar(self._xgr, spec)
+        except BaseException:
+            with self._lock:
+                self.stats.failures += 1
+                del self._inflight[key]
+            raise
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_seconds += time.perf_counter() - start
+            self._cache[key] = compiled
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+            del self._inflight[key]
+        return compiled
+
+
+def _compile_grammar(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    grammar = parse_grammar(spec)
+    try:
+        return compiler.compile_grammar(grammar)
+    except RuntimeError as exc:
+        raise ValueError(f"cannot compile {spec.kind.replace('_', ' ')}: {_xgr_reason(exc)}") from exc
+
+
+def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """The xgrammar Grammar of `spec` (no token masks yet); ValueError naming the problem."""
+    try:
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            # NOTE: not builtin_json_grammar(), whose root also allows a top-level array.
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.source)
+        return xgr.Grammar.from_ebnf(spec.source, root_rule_name="root")
+    except RuntimeError as exc:
+        raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {_xgr_reason(exc)}") from exc
+
+
+def _xgr_reason(exc: RuntimeError) -> str:
+    return _XGR_ERROR_PREFIX.sub("", str(exc).strip())
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int | None = None) -> xgr.TokenizerInfo:
+    """xgrammar's view of `tokenizer`: token bytes by id, vocab type, stop ids, mask width.
+
+    `vocab_size` is the model's (the logits' width; default the tokenizer's). Ids the tokenizer
+    lacks and special added tokens (`<|im_start|>`) get an empty string, which xgrammar never
+    allows inside a grammar: spelled out they would match literal text that the detokenizer
+    drops. NOTE: `TokenizerInfo.from_huggingface` does not do that -- with it the grammar lets
+    `<|im_start|>` appear inside a JSON string. The stop tokens are `tokenizer.eos_token_ids`;
+    the matcher ends after accepting one.
+    """
+    backend = tokenizer.backend
+    size = vocab_size or tokenizer.vocab_size
+    encoded = [""] * size
+    for token, index in backend.get_vocab(with_added_tokens=True).items():
+        if index < size:
+            encoded[index] = token
+    for index, added in backend.get_added_tokens_decoder().items():
+        if added.special and index < size:
+            encoded[index] = ""
+    vocab_type = vocab_type_of(backend)
+    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=size,
+                             stop_token_ids=sorted(i for i in tokenizer.eos_token_ids if i < size),
+                             add_prefix_space=_adds_prefix_space(backend, vocab_type))
+
+
+def vocab_type_of(backend: tokenizers.Tokenizer) -> xgr.VocabType:
+    """How vocabulary strings spell bytes, read from the backend's decoder.
+
+    A ByteLevel decoder means GPT-2 byte-to-unicode spelling (`Ġ` for a space); a ByteFallback
+    one means sentencepiece pieces with `<0xNN>` byte tokens; anything else is taken as raw.
+    """
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    if "ByteLevel" in kinds:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in kinds:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+def _adds_prefix_space(backend: tokenizers.Tokenizer, vocab_type: xgr.VocabType) -> bool:
+    """Whether encoding prepends a space, observed as xgrammar does: the first token of "a"."""
+    tokens = backend.encode("a", add_special_tokens=False).tokens
+    space = "\u2581" if vocab_type == xgr.VocabType.BYTE_FALLBACK else "\u0120"
+    return bool(tokens) and tokens[0].startswith(space)

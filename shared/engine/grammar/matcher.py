@@ -1,0 +1,120 @@
+"""One request's position in its grammar, and the batched mask that keeps its logits in it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+
+class GrammarState:
+    """A request's grammar matcher; used by the engine thread only (not thread-safe).
+
+    The matcher ends (`finished`) after accepting one of the tokenizer's stop tokens, which the
+    mask allows exactly when the text so far is complete.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the next-token mask into `bitmask[row]`; False when it allows every token.
+
+        `bitmask`: [rows, ceil(vocab/32)] int32 on CPU; bit j of the row set = token j allowed.
+        Does not change the state.
+        """
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (state unchanged) if the grammar forbids it or it has finished."""
+        return self.matcher.accept_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """True once a stop token was accepted; no further token is accepted."""
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative tokens)."""
+        self.matcher.rollback(num_tokens)
+
+    def forced_text(self) -> str:
+        """The longest text the grammar forces from here ("" if none), for jump-forward decoding.
+
+        Whole UTF-8 characters only. Does not change the state: accept the tokens of the text.
+        """
+        return self.matcher.find_jump_forward_string()
+
+
+@dataclass
+class MaskStats:
+    """Host time spent in MaskBatch.apply since construction (on CUDA, `apply` is launch time)."""
+
+    calls: int = 0
+    rows: int = 0
+    fill_seconds: float = 0.0
+    apply_seconds: float = 0.0
+
+
+class MaskBatch:
+    """Masks the constrained rows of a logits batch in one `apply_token_bitmask_inplace` call.
+
+    Rows not listed are not touched and cost nothing. xgrammar's `indices` picks the same row of
+    logits and bitmask, so the bitmask is row-aligned with the logits: a reused CPU buffer
+    [capacity, ceil(vocab_size/32)] int32 (pinned when the logits are on CUDA, with a device
+    twin), grown by doubling to cover the largest row; only listed rows are written.
+
+    NOTE: on CUDA the host->device copy is asynchronous; the caller must have synchronized with
+    the stream (e.g. by reading the sampled tokens) before the next `apply` rewrites the buffer.
+    """
+
+    def __init__(self, vocab_size: int, fill_threads: int = 1) -> None:
+        self.vocab_size = vocab_size
+        self.stats = MaskStats()
+        self._filler = xgr.BatchGrammarMatcher(fill_threads)
+        self._host = xgr.allocate_token_bitmask(0, vocab_size)  # [capacity, words] int32, CPU
+        self._device: torch.Tensor | None = None  # [capacity, words] int32 on the logits' device
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> None:
+        """Set `logits[row, j] = -inf` for every token j that `states[i]` forbids, `row = rows[i]`.
+
+        `logits`: [batch, vocab_size] float32/float16/bfloat16, modified in place. `rows` are
+        distinct; no state may be finished. An empty `rows` returns at once.
+        """
+        if not rows:
+            return
+        assert len(rows) == len(states), f"{len(rows)} rows for {len(states)} states"
+        assert logits.dim() == 2 and logits.shape[1] == self.vocab_size, \
+            f"logits {tuple(logits.shape)} do not match vocab_size {self.vocab_size}"
+        assert not any(state.finished for state in states), "a finished state has no next-token mask"
+        indices = list(rows)
+        assert 0 <= min(indices) and max(indices) < logits.shape[0], f"rows {indices} outside the batch"
+        start = time.perf_counter()
+        host = self._host_rows(logits.shape[0], pin=logits.is_cuda)
+        self._filler.batch_fill_next_token_bitmask([state.matcher for state in states], host, indices)
+        filled = time.perf_counter()
+        bitmask = host if not logits.is_cuda else self._on_device(host, logits.device)
+        # NOTE: the CPU backend of xgrammar costs ~5 ns per masked logit; on CUDA it is Triton.
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
+        done = time.perf_counter()
+        self.stats.calls += 1
+        self.stats.rows += len(rows)
+        self.stats.fill_seconds += filled - start
+        self.stats.apply_seconds += done - filled
+
+    def _host_rows(self, batch: int, pin: bool) -> torch.Tensor:
+        """The first `batch` rows of the host buffer, growing (and pinning) it when needed."""
+        if self._host.shape[0] < batch or (pin and not self._host.is_pinned()):
+            capacity = max(batch, 2 * self._host.shape[0])
+            self._host = torch.empty((capacity, self._host.shape[1]), dtype=xgr.bitmask_dtype, pin_memory=pin)
+        return self._host[:batch]
+
+    def _on_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self._device is None or self._device.device != device or self._device.shape[0] < host.shape[0]:
+            self._device = torch.empty(self._host.shape, dtype=xgr.bitmask_dtype, device=device)
+        rows = self._device[:host.shape[0]]
+        rows.copy_(host, non_blocking=True)
+        return rows
