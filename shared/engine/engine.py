@@ -7,11 +7,13 @@ Single-threaded by contract: one owner calls ``submit``/``step``/``abort``. ``st
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,9 @@ import torch
 
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine_config import EngineConfig
+from shared.engine.grammar.compiler import GrammarCompiler
+from shared.engine.grammar.matcher import MaskBatch
+from shared.engine.grammar.response_format import grammar_spec
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.hashed import HashedBlockIndex
 from shared.engine.kv.manager import KVCacheManager
@@ -33,8 +38,16 @@ from shared.engine.scheduler import Scheduler
 from shared.model.checkpoint import load_checkpoint
 from shared.model.llama import LlamaModel, build_model
 from shared.model.tokenizer import Tokenizer
+from shared.protocol.messages import Priority
 
 Messages = Sequence[Mapping[str, str]]
+Pick = tuple[int, float]  # a sampled token and its logprob
+MAX_DRAFT_TOKENS = 32  # jump-forward tokens verified in one step, at most
+log = logging.getLogger(__name__)
+
+
+class DeadlineUnmeetable(ValueError):
+    """The request's deadline is sooner than its estimated first token: rejected at submit."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +68,7 @@ class TokenDelta:
 @dataclass(frozen=True)
 class EngineStats:
     running: int
-    waiting: int
+    waiting: int  # queued, including those awaiting their grammar
     blocks_total: int
     blocks_used: int
     blocks_free: int
@@ -63,7 +76,15 @@ class EngineStats:
     cache_hit_tokens: int  # of those, tokens reused from the prefix cache
     cached_tokens: int  # tokens the prefix index holds now
     preemptions: int
+    deadline_misses: int  # requests ended by their deadline (waiting or running)
     steps: int
+    seconds_per_token: float  # measured compute rate (deadline admission uses it)
+    awaiting_grammar: int = 0  # requests whose grammar is compiling
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_s: float = 0.0
+    mask_s: float = 0.0  # filling and applying grammar masks, all steps
+    forced_tokens: int = 0  # output tokens from jump-forward drafts: decode steps saved
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -77,8 +98,12 @@ class Engine:
         tokenizer: Tokenizer | None,
         config: EngineConfig = EngineConfig(),
         policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        """``clock`` times everything (arrivals, deadlines, ageing, step rates); tests pass a
+        fake one."""
         self.config = config
+        self.clock = clock
         self.tokenizer = tokenizer
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.index = _make_index(config.prefix_index, self.pool)
@@ -94,9 +119,12 @@ class Engine:
             KVCacheManager(self.pool, self.index),
             policy or FCFS(),
             eos,
+            clock,
         )
         self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.sampler = Sampler()
+        self._grammar: GrammarCompiler | None = None  # built on first use (0.2 s)
+        self._masks = MaskBatch(model.config.vocab_size)
         self._seq = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, list[TokenDelta]] = defaultdict(list)
@@ -118,23 +146,53 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         request_id: str | None = None,
         buffered: bool = True,
+        priority: Priority = Priority.PLAN,
+        robot_id: str = "",
+        deadline_s: float | None = None,
+        response_format: Mapping | None = None,
     ) -> str:
         """Queue a request: token ids, a plain string, or chat messages (rendered with the
         model's chat template). Raises ValueError for an empty or over-long prompt, an id in
-        use, or text without a tokenizer.
+        use, or text without a tokenizer, and ``DeadlineUnmeetable`` when ``deadline_s``
+        (seconds from now by which it must finish) is sooner than the estimated first token
+        given the work queued ahead of it. A request that starts in time but does not finish
+        is stopped at its deadline with what it has (finish reason ``deadline``).
 
+        ``priority`` and ``robot_id`` feed the scheduling policy (classes, fairness).
+        ``response_format`` (json_schema | json_object | regex | ebnf | skills, as in the protocol)
+        constrains every sampled token; a bad one raises ValueError naming the problem. Its
+        grammar compiles on a worker (cached by spec) while the request waits in
+        ``WAITING_FOR_GRAMMAR``; the step loop never blocks on it.
         ``buffered`` keeps the request's deltas for ``stream``/``drain``; a caller that consumes
         what ``step`` returns (a daemon's loop) passes False, and nothing is kept."""
         rid = request_id if request_id is not None else f"req-{next(self._seq)}"
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        spec = grammar_spec(response_format) if response_format is not None else None
+        if spec is not None:
+            self.grammar_compiler.validate(spec)
+        now = self.clock()
         req = Request(
             request_id=rid,
             prompt_token_ids=self._tokenize(prompt),
             sampling=sampling,
             arrival_seq=next(self._seq),
-            arrival_time=time.perf_counter(),
+            arrival_time=now,
+            priority=priority,
+            robot_id=robot_id,
+            deadline=None if deadline_s is None else now + deadline_s,
         )
+        if spec is not None:
+            req.grammar_pending = self.grammar_compiler.compile_async(spec)
+        if deadline_s is not None:
+            eta = self.scheduler.first_token_eta(req)
+            if eta > deadline_s:
+                raise DeadlineUnmeetable(
+                    f"deadline in {deadline_s * 1000:.0f} ms, but the first token is estimated in "
+                    f"{eta * 1000:.0f} ms behind the queued work"
+                )
         self.scheduler.add(req)
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, sampling.stop)
@@ -143,15 +201,15 @@ class Engine:
             self._buffered.add(rid)
         return rid
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its KV; its stream ends with finish reason ``abort``.
-        Returns False if it had already finished or never existed."""
+    def abort(self, request_id: str) -> TokenDelta | None:
+        """Stop a request and free its KV; returns its last delta (finish reason ``abort``,
+        also queued for ``stream``/``drain`` when buffered), or None if it had already finished
+        or never existed."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return None
         self.scheduler.finish(req, FinishReason.ABORT)
-        self._deliver(req, [], FinishReason.ABORT)
-        return True
+        return self._deliver(req, [], FinishReason.ABORT)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -165,32 +223,103 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, sample, apply stop rules. Returns this step's deltas
         (buffered requests' deltas are also kept for ``stream``/``drain``)."""
+        ended = self.scheduler.expire() + self.scheduler.admit_compiled()
+        deltas = [self._deliver(f.request, [], f.reason) for f in ended]
         out = self.scheduler.schedule()
         if out.is_empty:
-            return [] if out.preempted else self._unblock()
+            if not out.preempted and not self.scheduler.running and self.scheduler.awaiting_grammar:
+                pending = [r.grammar_pending for r in self.scheduler.awaiting_grammar]
+                concurrent.futures.wait(pending, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
+                return deltas
+            return deltas + ([] if out.preempted else self._unblock())
+        started = self.clock()
         logits = self.runner.execute(out)
         sampled_chunks = [c for c in out.chunks if c.sample]
         reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
-        picks = self.sampler.sample(logits, [r.request_id for r in reqs], [r.sampling for r in reqs])
-        now = time.perf_counter()
+        picks = self._sample(logits, sampled_chunks, reqs)
+        now = self.clock()
+        self.scheduler.rate.observe(out.num_tokens, now - started)
         for req in reqs:
             if req.first_token_time is None:
                 req.first_token_time = now
+        before = [req.num_output_tokens for req in reqs]
         finished = {f.request.request_id: f.reason for f in self.scheduler.update(
             out, {r.request_id: p for r, p in zip(reqs, picks, strict=True)})}
         self.num_steps += 1
-        return [
-            self._deliver(req, [token], finished.get(req.request_id), [lp] if req.sampling.logprobs else [])
-            for req, (token, lp) in zip(reqs, picks, strict=True)
+        for req in reqs:
+            if req.request_id not in finished:
+                self._draft(req)
+        return deltas + [
+            self._deliver(req, req.output_token_ids[n:], finished.get(req.request_id),
+                          req.output_logprobs[n:] if req.sampling.logprobs else [])
+            for req, n in zip(reqs, before, strict=True)
         ]
+
+    def _sample(self, logits: torch.Tensor, chunks: list, reqs: list[Request]) -> list[list[Pick]]:
+        """The tokens each sampled chunk yields: the one after its newest token, then, while
+        each sampled token equals the chunk's next draft, the one after that draft (from the
+        logits computed with it). Grammar masks apply to every row sampled; unconstrained rows
+        are untouched. Each token is exactly what token-by-token decoding would sample."""
+        starts = list(itertools.accumulate((c.num_logits for c in chunks), initial=0))[:-1]
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            self._masks.apply(logits, [starts[i] for i in constrained], [reqs[i].grammar for i in constrained])
+        firsts = self.sampler.sample(logits[starts], [r.request_id for r in reqs], [r.sampling for r in reqs])
+        picks = []
+        for chunk, req, start, first in zip(chunks, reqs, starts, firsts, strict=True):
+            tokens = [first]
+            self._accept(req, first[0])
+            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
+            for j, draft in enumerate(drafts):
+                if tokens[-1][0] != draft or (req.grammar is not None and req.grammar.finished):
+                    break
+                row = start + 1 + j
+                if req.grammar is not None:
+                    self._masks.apply(logits, [row], [req.grammar])
+                (pick,) = self.sampler.sample(logits[row : row + 1], [req.request_id], [req.sampling])
+                tokens.append(pick)
+                self._accept(req, pick[0])
+            picks.append(tokens)
+        return picks
+
+    @staticmethod
+    def _accept(req: Request, token: int) -> None:
+        if req.grammar is not None and not req.grammar.accept(token):
+            log.warning("grammar of %s refused its own sampled token %d", req.request_id, token)
+
+    def _draft(self, req: Request) -> None:
+        """Jump-forward: when the grammar forces text next, draft its tokens for the next step."""
+        if req.grammar is None or req.grammar.finished or self.tokenizer is None:
+            return
+        text = req.grammar.forced_text()
+        if not text:
+            return
+        room = min(MAX_DRAFT_TOKENS, req.sampling.max_tokens - req.num_output_tokens - 1,
+                   self.scheduler.config.max_model_len - req.num_tokens - 1)
+        req.draft_token_ids = self.tokenizer.encode(text)[: max(room, 0)]
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The model's grammar compiler (built on first use); needs a tokenizer."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("response_format needs a tokenizer: this engine has none")
+            self._grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size)
+        return self._grammar
+
+    def precompile(self, response_formats: Iterable[Mapping]) -> list[concurrent.futures.Future]:
+        """Compile these response formats now (a daemon's configured schemas, at start-up)."""
+        specs = [grammar_spec(rf) for rf in response_formats]
+        return self.grammar_compiler.precompile(s for s in specs if s is not None)
 
     def _unblock(self) -> list[TokenDelta]:
         """Nothing could run although requests wait: the first in line cannot get its blocks
         even with everything else evicted (a tiny pool). End it with what it has (``length``)
         rather than wait forever."""
-        if self.scheduler.running or not len(self.scheduler.waiting):
+        if self.scheduler.running or not self.scheduler.waiting:
             return []
-        head = next(iter(self.scheduler.waiting))
+        now = self.clock()
+        head = min(self.scheduler.waiting, key=lambda r: self.scheduler.policy.key(r, now))
         self.scheduler.finish(head, FinishReason.LENGTH)
         return [self._deliver(head, [], FinishReason.LENGTH)]
 
@@ -227,9 +356,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        g = self._grammar.stats if self._grammar is not None else None
         return EngineStats(
             running=len(s.running),
-            waiting=len(s.waiting),
+            waiting=len(s.waiting) + len(s.awaiting_grammar),
             blocks_total=self.pool.num_blocks - 1,
             blocks_used=self.pool.num_used,
             blocks_free=self.pool.num_free,
@@ -237,7 +367,15 @@ class Engine:
             cache_hit_tokens=s.num_cached_tokens_admitted,
             cached_tokens=self.index.num_cached_tokens,
             preemptions=s.num_preemptions,
+            deadline_misses=s.num_deadline_misses,
             steps=self.num_steps,
+            seconds_per_token=s.rate.seconds_per_token,
+            awaiting_grammar=len(s.awaiting_grammar),
+            grammar_compiles=g.compiles if g else 0,
+            grammar_cache_hits=g.cache_hits if g else 0,
+            grammar_compile_s=g.compile_seconds if g else 0.0,
+            mask_s=self._masks.stats.fill_seconds + self._masks.stats.apply_seconds,
+            forced_tokens=s.num_forced_tokens,
         )
 
     # --- internals -------------------------------------------------------------------------
@@ -270,7 +408,7 @@ class Engine:
             if reason is not None:
                 text += detok.flush()
         if reason is not None:
-            req.finish_time = time.perf_counter()
+            req.finish_time = self.clock()
         delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason)
         if req.request_id in self._buffered:
             self._pending[req.request_id].append(delta)

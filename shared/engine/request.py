@@ -10,21 +10,29 @@ Prefill, chunked prefill, prefix hit and decode all mean the same thing: compute
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.engine.sampling_params import SamplingParams
+from shared.protocol.messages import Priority
+
+if TYPE_CHECKING:
+    from shared.engine.grammar.matcher import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    WAITING_FOR_GRAMMAR = 3  # its grammar is compiling on a worker; it is not queued yet
 
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token or stop string
     LENGTH = "length"  # max_tokens, or the model's context is full
     ABORT = "abort"  # the client cancelled
+    DEADLINE = "deadline"  # its deadline passed: it ends with what it has
 
 
 @dataclass(eq=False)
@@ -35,7 +43,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_seq: int  # order of submission; FCFS and tie-breaks use it
-    arrival_time: float
+    arrival_time: float  # on the engine's clock
+    priority: Priority = Priority.PLAN
+    robot_id: str = ""  # fairness is per robot; "" is one anonymous client
+    deadline: float | None = None  # on the engine's clock: it must finish by then
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -45,8 +56,13 @@ class Request:
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     cache_handle: object | None = None  # locked prefix-cache entry while running
+    scheduled_time: float | None = None  # first admitted (its queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar_pending: Future | None = None  # a compiling grammar (an xgrammar CompiledGrammar)
+    grammar: GrammarState | None = None  # constrains every sampled token once compiled
+    draft_token_ids: list[int] = field(default_factory=list)  # jump-forward: forced next tokens
+    num_forced_tokens: int = 0  # output tokens that came from accepted drafts (no step of their own)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -29,8 +29,8 @@ class ModelRunner:
         self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step. Returns logits [num_sampled, vocab] float32, one row per chunk with
-        ``sample`` set, in ``out.chunks`` order."""
+        """Run one step. Returns logits [rows, vocab] float32: ``chunk.num_logits`` rows per
+        chunk (its last positions), in ``out.chunks`` order."""
         self._copy_slots(out.copies)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -40,8 +40,7 @@ class ModelRunner:
             input_ids += chunk.token_ids
             positions += range(chunk.start, chunk.end)
             slots += slot_ids(chunk.block_table, chunk.start, chunk.end, self.block_size)
-            if chunk.sample:
-                sample_rows.append(len(input_ids) - 1)
+            sample_rows += range(len(input_ids) - chunk.num_logits, len(input_ids))
         bs = self.block_size
         meta = AttentionMetadata.build(
             decode_block_tables=[c.block_table[: -(-c.end // bs)] for c in out.decodes],

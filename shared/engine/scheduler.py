@@ -1,16 +1,32 @@
-"""Continuous batching: each step fills a token budget with running decodes first, then
-chunked prefill, then new admissions in policy order. Plain ints only; never touches tensors.
+"""Continuous batching: each step fills a token budget in this order:
+
+1. admissions that may preempt (a ``safety`` request under ``FleetPolicy``): they take the seats
+   and memory of lower-class running requests, which keep their prefix cached and resume later;
+2. running decodes, then running prefill chunks, in policy order (memory pressure preempts the
+   largest key);
+3. new admissions in policy order while budget, seats and memory last.
+
+It also ends requests whose deadline has passed (``expire``), estimates when a new request
+would get its first token (``first_token_eta``) so the engine can reject a deadline it cannot
+meet, and holds requests whose grammar is still compiling (``WAITING_FOR_GRAMMAR``) out of the
+queue until it is ready (``admit_compiled``). A request with jump-forward drafts gets them
+appended to its chunk when budget and memory allow. Plain ints only; never touches tensors.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.engine.grammar.matcher import GrammarState
 from shared.engine.kv.manager import KVCacheManager
+from shared.engine.kv.prefix_cache import PrefixMatch
 from shared.engine.kv.radix import common_prefix_len
-from shared.engine.policy import SchedulingPolicy, WaitingQueue
+from shared.engine.policy import SchedulingPolicy
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from shared.engine.service_rate import ServiceRate
 
 
 @dataclass(frozen=True)
@@ -43,15 +59,21 @@ class Scheduler:
         kv: KVCacheManager,
         policy: SchedulingPolicy,
         eos_token_ids: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.config = config
         self.kv = kv
         self.policy = policy
         self.eos_token_ids = eos_token_ids
-        self.waiting = WaitingQueue(policy)
+        self.clock = clock
+        self.rate = ServiceRate()
+        self.waiting: dict[Request, None] = {}  # in arrival order; the policy orders each step
+        self.awaiting_grammar: dict[Request, None] = {}  # WAITING_FOR_GRAMMAR
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
         self.num_preemptions = 0
+        self.num_deadline_misses = 0
+        self.num_forced_tokens = 0  # output tokens from accepted jump-forward drafts
         self.num_prompt_tokens_admitted = 0
         self.num_cached_tokens_admitted = 0
 
@@ -65,52 +87,124 @@ class Scheduler:
             )
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.waiting.add(req)
+        if req.grammar_pending is not None:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.awaiting_grammar[req] = None
+        else:
+            self.waiting[req] = None
         self.requests[req.request_id] = req
+        self.policy.on_add(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End ``req`` (running or waiting): cache what it computed and release its KV."""
         if req in self.waiting:
-            self.waiting.remove(req)
+            del self.waiting[req]
+        elif req in self.awaiting_grammar:
+            del self.awaiting_grammar[req]
         elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+        self.policy.on_finish(req)
+
+    def expire(self) -> list[FinishedRequest]:
+        """End every request whose deadline has passed, with what it has (``deadline``)."""
+        now = self.clock()
+        late = [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
+        for req in late:
+            self.finish(req, FinishReason.DEADLINE)
+        self.num_deadline_misses += len(late)
+        return [FinishedRequest(r, FinishReason.DEADLINE) for r in late]
+
+    def admit_compiled(self) -> list[FinishedRequest]:
+        """Queue the requests whose grammar has compiled; end (``abort``) any whose compilation
+        failed. Returns those it ended."""
+        failed = []
+        for req in [r for r in self.awaiting_grammar if r.grammar_pending.done()]:
+            del self.awaiting_grammar[req]
+            future, req.grammar_pending = req.grammar_pending, None
+            if future.exception() is not None:
+                self.awaiting_grammar[req] = None  # so finish() finds it
+                self.finish(req, FinishReason.ABORT)
+                failed.append(FinishedRequest(req, FinishReason.ABORT))
+                continue
+            req.grammar = GrammarState(future.result())
+            req.status = RequestStatus.WAITING
+            self.waiting[req] = None
+        return failed
+
+    def first_token_eta(self, req: Request) -> float:
+        """Seconds until ``req`` (not yet added) would get its first token: the prefill work
+        the policy puts ahead of it plus its own uncached prompt, at the measured rate. An
+        estimate for rejecting hopeless deadlines, 0 before any step has been measured."""
+        now = self.clock()
+        key = self.policy.key(req, now)
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
+        ahead += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting if self.policy.key(r, now) <= key)
+        own = req.num_tokens - self.kv.match(req).num_tokens
+        return self.rate.seconds_for(ahead + own)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running) or bool(len(self.waiting))
+        return bool(self.running) or bool(self.waiting) or bool(self.awaiting_grammar)
 
     # --- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        now = self.clock()
         budget = self.config.max_num_batched_tokens
-        order = sorted(self.running, key=lambda r: (r.is_prefilling, self.policy.key(r)))
+        queue = self.policy.order(list(self.waiting), now, lambda r: self.kv.match(r).num_tokens)
         scheduled: set[int] = set()
-        for req in order:
+        budget = self._admit_preempting(queue, budget, scheduled, out)
+        key = self.policy.key
+        for req in sorted(self.running, key=lambda r: (r.is_prefilling, key(r, now))):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING or id(req) in scheduled:  # preempted, or admitted above
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, n, scheduled, out):
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget)
+            drafts = req.draft_token_ids if n == left and n + len(req.draft_token_ids) <= budget else []
+            if not self._reserve(req, n + len(drafts), scheduled, out):
                 continue
-            self._emit(req, n, out)
+            self._emit(req, n, out, drafts)
+            scheduled.add(id(req))
+            budget -= n + len(drafts)
+        if not out.preempted:
+            self._admit([r for r in queue if r.status == RequestStatus.WAITING], budget, out)
+        return out
+
+    def _admit_preempting(self, queue: list[Request], budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Admit the policy's urgent waiting requests before any running work, taking seats and
+        memory from running requests they may preempt (largest key first). Returns the budget
+        left."""
+        now = self.clock()
+        for req in queue:
+            if budget == 0:
+                break
+            if not self.policy.is_urgent(req):
+                continue
+            while (n := self._try_start(req, self.kv.match(req), budget, out)) is None:
+                victims = [r for r in self.running if id(r) not in scheduled and self.policy.preempts(req, r)]
+                if not victims:
+                    return budget  # no room: a later urgent request must not overtake this one
+                victim = max(victims, key=lambda r: self.policy.key(r, now))
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
             scheduled.add(id(req))
             budget -= n
-        if not out.preempted:
-            self._admit(budget, out)
-        return out
+        return budget
 
     def _reserve(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Find room for ``n`` tokens of ``req`` by preempting the largest-key request among
         ``req`` and those with no work yet this step. False if ``req`` itself yielded."""
+        now = self.clock()
         while not self.kv.allocate_slots(req, n):
             idle = [r for r in self.running if id(r) not in scheduled and r is not req]
-            victim = max(idle + [req], key=self.policy.key)
+            victim = max(idle + [req], key=lambda r: self.policy.key(r, now))
             self._preempt(victim)
             out.preempted.append(victim.request_id)
             if victim is req:
@@ -123,33 +217,46 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.draft_token_ids = []  # recomputed on resumption's first sample
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add(req)
+        self.waiting[req] = None
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(self, queue: list[Request], budget: int, out: SchedulerOutput) -> None:
         """Admit waiting requests in policy order while budget, seats and memory last."""
         in_flight = [r for r in self.running if r.is_prefilling]
-        for req in self.waiting:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+        for req in queue:
+            if budget == 0:
                 return
             match = self.kv.match(req)
             if self._someone_computes_prefix(req, match.num_tokens, in_flight):
                 continue
-            n = min(req.num_tokens - match.num_tokens, budget)
-            copies = self.kv.admit(req, match, n)
-            if copies is None:
-                return  # no memory: later requests must not overtake this one
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            if req.num_preemptions == 0:  # a resumed request's own prefix is not a cache hit
-                self.num_prompt_tokens_admitted += req.num_prompt_tokens
-                self.num_cached_tokens_admitted += match.num_tokens
-            out.copies.extend(copies)
-            self._emit(req, n, out)
+            n = self._try_start(req, match, budget, out)
+            if n is None:
+                return  # no seat or memory: later requests must not overtake this one
             in_flight.append(req)
             budget -= n
+
+    def _try_start(self, req: Request, match: PrefixMatch, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit ``req`` with its cached prefix ``match`` and schedule its first chunk (at most
+        ``budget`` tokens); returns the chunk's size, or None if there is no seat or memory."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        n = min(req.num_tokens - match.num_tokens, budget)
+        copies = self.kv.admit(req, match, n)
+        if copies is None:
+            return None
+        del self.waiting[req]
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = self.clock()
+        if req.num_preemptions == 0:  # a resumed request's own prefix is not a cache hit
+            self.num_prompt_tokens_admitted += req.num_prompt_tokens
+            self.num_cached_tokens_admitted += match.num_tokens
+        out.copies.extend(copies)
+        self._emit(req, n, out)
+        return n
 
     def _someone_computes_prefix(self, req: Request, num_cached: int, in_flight: list[Request]) -> bool:
         """True if an in-flight prefill will soon compute enough of ``req``'s uncached prefix."""
@@ -160,47 +267,61 @@ class Scheduler:
                 return True
         return False
 
-    def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _emit(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
+        """Schedule ``n`` tokens of ``req`` from its first uncomputed one, plus ``drafts`` (only
+        when the chunk reaches the newest token)."""
         start = req.num_computed_tokens
         chunk = ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.token_ids_between(start, start + n),
+            token_ids=req.token_ids_between(start, start + n) + list(drafts),
             start=start,
             block_table=tuple(req.block_table),
             sample=start + n == req.num_tokens,
+            num_drafts=len(drafts),
         )
-        (out.decodes if n == 1 and chunk.sample and start > 0 else out.prefills).append(chunk)
+        (out.decodes if len(chunk.token_ids) == 1 and chunk.sample and start > 0 else out.prefills).append(chunk)
 
     # --- after the forward pass -------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]]) -> list[FinishedRequest]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[tuple[int, float]]]) -> list[FinishedRequest]:
         """Advance counters, append sampled tokens, finish on stop rules, cache new prefixes.
 
         Args:
-            sampled: request_id -> (token, logprob) for every chunk with ``sample``.
+            sampled: request_id -> [(token, logprob), ...] for every chunk with ``sample``: the
+                token sampled at the newest position, or, for a chunk with drafts, the accepted
+                drafts followed by the token sampled after the last of them.
         Returns the requests that finished this step (already released).
         """
         finished = []
         for chunk, is_prefill in [(c, False) for c in out.decodes] + [(c, True) for c in out.prefills]:
             req = self.requests[chunk.request_id]
-            req.num_computed_tokens = chunk.end
-            if is_prefill:
+            tokens = sampled.get(chunk.request_id, [])
+            req.num_computed_tokens = chunk.end - chunk.num_drafts
+            req.draft_token_ids = []
+            self.policy.on_served(req, len(chunk.token_ids) if is_prefill else 0, len(tokens))
+            reason = None
+            for i, (token, logprob) in enumerate(tokens):
+                req.output_token_ids.append(token)
+                if req.sampling.logprobs:
+                    req.output_logprobs.append(logprob)
+                if i < len(tokens) - 1:  # an accepted draft: its KV was computed this step
+                    req.num_computed_tokens += 1
+                    req.num_forced_tokens += 1
+                    self.num_forced_tokens += 1
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish(req, reason)  # caches what it computed
+                    finished.append(FinishedRequest(req, reason))
+                    break
+            if is_prefill and reason is None:
                 self.kv.cache(req)  # others can reuse this prefix from the next step on
-            if not chunk.sample:
-                continue
-            token, logprob = sampled[chunk.request_id]
-            req.output_token_ids.append(token)
-            if req.sampling.logprobs:
-                req.output_logprobs.append(logprob)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, reason)
-                finished.append(FinishedRequest(req, reason))
         return finished
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if req.grammar is not None and req.grammar.finished:  # it accepted its stop token
             return FinishReason.STOP
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH

@@ -9,17 +9,29 @@ from shared.engine.kv.manager import SlotCopy
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens [start, start + len(token_ids)) of one request, computed this step."""
+    """Tokens [start, start + len(token_ids)) of one request, computed this step.
+
+    A chunk that reaches the newest token may end with ``num_drafts`` draft tokens (jump-forward:
+    text the request's grammar forces): they are computed as if accepted, and the step samples
+    one logits row per position from the newest token on, so each draft is kept only if the
+    token sampled before it equals it.
+    """
 
     request_id: str
     token_ids: list[int]
     start: int
     block_table: tuple[int, ...]  # a snapshot: the request's table may grow later
     sample: bool  # the chunk reaches the newest token, so the step samples a next token
+    num_drafts: int = 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk yields: the newest token's and one per draft."""
+        return 1 + self.num_drafts if self.sample else 0
 
 
 @dataclass

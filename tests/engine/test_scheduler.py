@@ -13,7 +13,7 @@ import pytest
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.radix import RadixTree
-from shared.engine.policy import FCFS
+from shared.engine.policy import FCFS, SchedulingPolicy
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -41,7 +41,7 @@ def fake_token(request_id: str, position: int) -> int:
 def step(sched: Scheduler) -> SchedulerOutput:
     """schedule() + update() with fake tokens for every chunk that samples."""
     out = sched.schedule()
-    sched.update(out, {c.request_id: (fake_token(c.request_id, c.end), 0.0) for c in out.chunks if c.sample})
+    sched.update(out, {c.request_id: [(fake_token(c.request_id, c.end), 0.0)] for c in out.chunks if c.sample})
     return out
 
 
@@ -76,13 +76,13 @@ def test_decodes_go_before_prefill_chunks_and_admissions():
     check(sched)
 
 
-class Priority:
+class Priority(SchedulingPolicy):
     """Test policy: a priority per request id (smaller first), then arrival."""
 
     def __init__(self, priorities: dict[str, int]):
         self.priorities = priorities
 
-    def key(self, req: Request) -> tuple:
+    def key(self, req: Request, now: float) -> tuple:
         return (self.priorities[req.request_id], req.arrival_seq)
 
 
