@@ -75,6 +75,7 @@ def cmd_bench(args) -> int:
         model=_model_path(args),
         engine=_engine_config(args),
         indexes=args.index,
+        response_formats=args.response_format,
         baseline=args.baseline,
         baseline_batch_size=args.baseline_batch,
         output_len=args.output_len,
@@ -126,6 +127,7 @@ def cmd_serve(args) -> int:
     engine_config = _engine_config(args)
     model = build_model(ckpt.config, ckpt.weights, dtype=engine_config.torch_dtype)
     engine = Engine(model, ckpt.tokenizer, engine_config, policy=policy)
+    engine.precompile(_response_formats(serve.precompile))
     server = CloudServer(engine, serve, model_name=model_path.stem)
     client = FleetClient(server.inproc_endpoint, context=server.context)
     http = make_http_server(serve.http_host, serve.http_port, ApiContext(client, ckpt.tokenizer, server.metrics,
@@ -143,6 +145,21 @@ def cmd_serve(args) -> int:
         client.close()
     print("cloudd: stopped", flush=True)
     return 0
+
+
+def _response_formats(names: tuple[str, ...]) -> list[dict]:
+    """``[serve] precompile`` entries: "fleet-plan" (the bundled traces' skills) or a JSON file
+    holding a response_format object."""
+    from shared.engine.grammar.response_format import fleet_plan_format
+
+    formats = []
+    for name in names:
+        if name == "fleet-plan":
+            formats.append(fleet_plan_format())
+            continue
+        with open(name, encoding="utf-8") as f:
+            formats.append(json.load(f))
+    return formats
 
 
 def cmd_chat(args) -> int:
@@ -167,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--trace", type=Path, default=bundled_trace())
     bench.add_argument("--index", type=_comma_list(("radix", "hashed")), default=("radix",),
                        help="prefix index variants, comma list (radix,hashed)")
+    bench.add_argument("--response-format", type=_comma_list(("none", "plan-schema")), default=("none",),
+                       help="structured-output variants, comma list (none,plan-schema)")
     bench.add_argument("--baseline", choices=["hf"], help="also run HF transformers generate() and print the ratio")
     bench.add_argument("--baseline-batch", type=int, default=16)
     bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")

@@ -35,7 +35,7 @@ from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 Snapshot = dict[str, Any]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = 15.0  # a stats reply waits for the engine step in progress
 TOP_RUNNING_ROWS = 8  # rows of the running batch in `top`
 TOP_ROBOT_ROWS = 5  # slowest robots in `top`
 STATE_STYLE = {"ok": "green", "draining": "yellow"}

@@ -159,7 +159,7 @@ def _completion_body(result: Result, chat: bool, model: str, created: int) -> di
         "model": model,
         "choices": [choice],
         "usage": _usage(result),
-        "fleetserve": {"source": result.source.value, "timings": result.timings},
+        "fleetserve": {"source": result.source.value, "timings": result.timings, "detail": result.detail},
     }
 
 

@@ -5,7 +5,7 @@ robot. Robot labels are bounded: the first ``max_robot_labels`` robots seen get 
 every later one is counted as ``other``, so a large fleet cannot blow up the series count.
 Gauges: running and waiting requests, KV blocks used and total. Counters: requests by
 outcome, prefix-cache hit tokens, prompt tokens, preemptions, deadline misses, rejections by
-reason.
+reason; grammar compilations, cache hits and compile time, mask time, jump-forward tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ class ServerMetrics:
                                   registry=r)
         self.preemptions = Counter("fleetserve_preemptions", "Requests preempted", registry=r)
         self.deadline_misses = Counter("fleetserve_deadline_misses", "Requests ended by their deadline", registry=r)
+        self.grammar_compiles = Counter("fleetserve_grammar_compiles", "Grammars compiled (cache misses)", registry=r)
+        self.grammar_cache_hits = Counter("fleetserve_grammar_cache_hits", "Grammars found compiled", registry=r)
+        self.grammar_compile_seconds = Counter("fleetserve_grammar_compile_seconds", "Time compiling grammars",
+                                               registry=r)
+        self.mask_seconds = Counter("fleetserve_grammar_mask_seconds", "Time filling and applying token masks",
+                                    registry=r)
+        self.forced_tokens = Counter("fleetserve_forced_tokens", "Tokens appended by jump-forward without a decode step",
+                                     registry=r)
         self._last: dict[Counter, float] = {}
 
     def robot_label(self, robot_id: str) -> str:
@@ -76,7 +84,11 @@ class ServerMetrics:
         self.kv_used.set(s.blocks_used)
         self.kv_total.set(s.blocks_total)
         for counter, total in ((self.prompt_tokens, s.prompt_tokens), (self.hit_tokens, s.cache_hit_tokens),
-                               (self.preemptions, s.preemptions), (self.deadline_misses, s.deadline_misses)):
+                               (self.preemptions, s.preemptions), (self.deadline_misses, s.deadline_misses),
+                               (self.grammar_compiles, s.grammar_compiles),
+                               (self.grammar_cache_hits, s.grammar_cache_hits),
+                               (self.grammar_compile_seconds, s.grammar_compile_s), (self.mask_seconds, s.mask_s),
+                               (self.forced_tokens, s.forced_tokens)):
             counter.inc(total - self._last.get(counter, 0))
             self._last[counter] = total
 

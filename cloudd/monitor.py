@@ -9,6 +9,8 @@ snapshot it builds is plain data (msgpack-able), with this shape::
                 "kv_blocks_in_requests": int, "prefix_hit_rate": float, "prompt_tokens": int,
                 "cache_hit_tokens": int, "cached_tokens": int, "preemptions": int,
                 "deadline_misses": int, "steps": int},
+     "grammar": {"awaiting": int, "compiles": int, "cache_hits": int, "compile_s": float,
+                 "mask_s": float, "forced_tokens": int},
      "queue": {"<class>": {"waiting": int, "running": int}, ...},
      "latency": {"ttft_s": {"p50", "p99"}, "tpot_s": {...}, "e2e_s": {...}, "queue_s": {...}},
      "by_priority": {"<class>": {"requests": int, "ttft_s": {"p50", "p99"}, ...}, ...},  # recent window
@@ -168,6 +170,14 @@ class FleetMonitor:
                 "preemptions": engine.preemptions,
                 "deadline_misses": engine.deadline_misses,
                 "steps": engine.steps,
+            },
+            "grammar": {
+                "awaiting": engine.awaiting_grammar,
+                "compiles": engine.grammar_compiles,
+                "cache_hits": engine.grammar_cache_hits,
+                "compile_s": engine.grammar_compile_s,
+                "mask_s": engine.mask_s,
+                "forced_tokens": engine.forced_tokens,
             },
             "queue": self._queue(live),
             "latency": self._latency(self.recent),

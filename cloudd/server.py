@@ -1,9 +1,14 @@
-"""cloudd's core: one thread that owns the engine and a ZeroMQ ROUTER socket.
+"""cloudd's core: an engine thread that owns the engine, behind a front thread that owns the
+ZeroMQ ROUTER socket.
 
-Each turn of the loop reads every message waiting on the socket, answers it (or queues a
-``generate`` in the engine), runs one engine step if there is work, and sends each delta to the
-requests' subscribers. Nothing else touches the engine, so it needs no lock. The HTTP front end
-(``cloudd.http_api``) is a protocol client of this loop over ``inproc``.
+The front thread decodes every incoming message: it answers ``health`` itself at once (so a
+client's heartbeat is answered even while a long engine step runs) and every malformed message
+with an ``error``, and passes the rest to the engine thread over an ``inproc`` pair; it relays
+the engine thread's replies back to their clients. Each turn of the engine loop reads every
+message waiting, answers it (or queues a ``generate`` in the engine), runs one engine step if
+there is work, and sends each delta to the requests' subscribers. Nothing else touches the
+engine, so it needs no lock. The HTTP front end (``cloudd.http_api``) is a protocol client of
+this server over ``inproc``.
 
 Bad input never stops the loop: undecodable bytes, wrong versions, unknown types, bad field
 values and unservable requests all get an ``error`` reply with a code; the message that caused
@@ -24,7 +29,7 @@ import zmq
 from cloudd.metrics import ServerMetrics
 from cloudd.monitor import FleetMonitor, RequestRecord
 from shared.engine.engine import DeadlineUnmeetable, Engine, TokenDelta
-from shared.engine.request import Request
+from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.codec import ProtocolError, decode, encode
 from shared.protocol.messages import (
@@ -58,6 +63,8 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0  # on stop, running requests get this long to finish
     idle_poll_ms: int = 50  # how long the loop sleeps on the socket when the engine is idle
     max_robot_labels: int = 64  # Prometheus robot labels before "other"
+    # response_format objects (JSON files) or "fleet-plan" to compile at start-up
+    precompile: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("zmq_port", "http_port"):
@@ -79,11 +86,25 @@ class CloudServer:
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._stop = threading.Event()
         self._draining = False
-        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket = self.context.socket(zmq.ROUTER)  # the front thread's, once serving
         self.socket.setsockopt(zmq.LINGER, 1000)  # let the last replies out on close
         self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
         self.socket.bind(self.inproc_endpoint)
         self.endpoint = self._bind_tcp()
+        self._front_pipe, self._engine_pipe = self._pipe()
+        self._front_done = threading.Event()
+
+    def _pipe(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """Two connected PAIR sockets, unbounded so neither thread ever blocks on the other."""
+        front, engine = self.context.socket(zmq.PAIR), self.context.socket(zmq.PAIR)
+        for sock in (front, engine):
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+        address = f"inproc://cloudd-pipe-{id(self):x}"
+        front.bind(address)
+        engine.connect(address)
+        return front, engine
 
     def _bind_tcp(self) -> str:
         c = self.config
@@ -101,7 +122,9 @@ class CloudServer:
         self._stop.set()
 
     def serve_forever(self) -> None:
-        """Run until ``stop()``, then drain; closes the socket on return."""
+        """Run until ``stop()``, then drain; closes the sockets on return."""
+        front = threading.Thread(target=self._front, name="cloudd-front", daemon=True)
+        front.start()
         grace_ends: float | None = None
         try:
             while True:
@@ -113,15 +136,43 @@ class CloudServer:
                     self._cancel_all("server shutting down")
                     return
                 busy = self.engine.has_unfinished
-                if self.socket.poll(0 if busy else self.config.idle_poll_ms):
+                if self._engine_pipe.poll(0 if busy else self.config.idle_poll_ms):
                     self._read_all()
                 if self.engine.has_unfinished:
                     self._step()
                 self.ledger.expire(time.monotonic())
         finally:
+            self._front_done.set()
+            front.join()
+            self._engine_pipe.close()
+
+    def _front(self) -> None:
+        """The front thread: client messages in (health and errors answered here), replies out."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._front_pipe, zmq.POLLIN)
+        try:
+            while not self._front_done.is_set():
+                events = dict(poller.poll(100))
+                if self._front_pipe in events:
+                    self._relay_replies()
+                if self.socket in events:
+                    self._triage()
+            self._relay_replies()  # the engine's last words
+        finally:
+            self._front_pipe.close()
             self.socket.close()
 
-    def _read_all(self, limit: int = 1000) -> None:
+    def _relay_replies(self) -> None:
+        while True:
+            try:
+                identity, payload = self._front_pipe.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._send_now(identity, payload)
+
+    def _triage(self, limit: int = 1000) -> None:
+        """Read waiting client messages: answer bad ones and health here, pass the rest on."""
         for _ in range(limit):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -131,7 +182,31 @@ class CloudServer:
             try:
                 if len(frames) != 2:
                     raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-                self._handle(identity, decode(frames[1]))
+                msg = decode(frames[1])
+            except ProtocolError as e:
+                self._send_now(identity, encode(Error(e.code, e.message, e.request_id)))
+                continue
+            if isinstance(msg, Health):
+                self._send_now(identity, encode(Health("draining" if self._draining else "ok")))
+            else:
+                self._front_pipe.send_multipart([identity, frames[1]])
+
+    def _send_now(self, identity: bytes, payload: bytes) -> None:
+        """Front thread only."""
+        try:
+            self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full: it is gone or stuck; a retry resends
+            log.warning("dropped a reply to a peer that does not read")
+
+    def _read_all(self, limit: int = 1000) -> None:
+        """Engine thread: handle the messages the front thread passed on (all decodable)."""
+        for _ in range(limit):
+            try:
+                identity, payload = self._engine_pipe.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(identity, decode(payload))
             except ProtocolError as e:
                 self._send(identity, Error(e.code, e.message, e.request_id))
             except Exception as e:  # a bug must not take the fleet's server down
@@ -158,8 +233,6 @@ class CloudServer:
             self._on_cancel(identity, msg)
         elif isinstance(msg, Stats):
             self._send(identity, Stats(self.snapshot()))
-        elif isinstance(msg, Health):
-            self._send(identity, Health("draining" if self._draining else "ok"))
         else:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.TYPE!r} is a reply, not a request",
                                 getattr(msg, "request_id", None))
@@ -252,6 +325,7 @@ class CloudServer:
             token_ids=tuple(entry.token_ids),
             source=Source.CLOUD,
             timings=record.timings(),
+            detail=_detail(req),
         )
         self.ledger.close(req.request_id, result, time.monotonic())
         for identity in entry.subscribers:
@@ -280,10 +354,17 @@ class CloudServer:
         return self.monitor.snapshot(self.engine.stats(), self._requests.values(), self._draining, self.engine.clock())
 
     def _send(self, identity: bytes, msg: Message) -> None:
-        try:
-            self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:  # the peer's queue is full: it is gone or stuck; a retry resends
-            log.warning("dropped a %s to a peer that does not read", msg.TYPE)
+        """Engine thread: hand a reply to the front thread."""
+        self._engine_pipe.send_multipart([identity, encode(msg)])
+
+
+def _detail(req: Request) -> str | None:
+    """Words for an ending the finish reason alone does not explain."""
+    if req.grammar is not None and not req.grammar.finished and req.finish_reason is FinishReason.LENGTH:
+        return "max_tokens ran out before the response_format was complete: the text does not parse"
+    if req.finish_reason is FinishReason.DEADLINE:
+        return "the deadline passed: the text is what was generated by then"
+    return None
 
 
 def _sampling(msg: Generate) -> SamplingParams:

@@ -289,7 +289,7 @@ class Engine:
 
     def _draft(self, req: Request) -> None:
         """Jump-forward: when the grammar forces text next, draft its tokens for the next step."""
-        if req.grammar is None or req.grammar.finished or self.tokenizer is None:
+        if not self.config.jump_forward or req.grammar is None or req.grammar.finished or self.tokenizer is None:
             return
         text = req.grammar.forced_text()
         if not text:

@@ -17,6 +17,7 @@ class EngineConfig:
     num_blocks: int = 2048  # KV pool size in blocks, including the reserved null block
     prefix_index: str = "radix"  # "radix" (token-exact) | "hashed" (vLLM-style full blocks)
     dtype: str = "float32"  # weights, activations and KV
+    jump_forward: bool = True  # draft the tokens a grammar forces and verify them in one step
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

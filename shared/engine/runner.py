@@ -7,8 +7,15 @@ import torch
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
-from shared.engine.scheduler_output import SchedulerOutput
+from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.model.llama import KVCache, LlamaModel
+
+
+MAX_DECODE_ROWS_CHUNK = 48  # longer chunks (prompts) run as prefill segments
+
+
+def _as_decode_rows(chunk: ScheduledChunk) -> bool:
+    return chunk.start > 0 and len(chunk.token_ids) <= MAX_DECODE_ROWS_CHUNK
 
 
 class ModelRunner:
@@ -30,22 +37,30 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits [rows, vocab] float32: ``chunk.num_logits`` rows per
-        chunk (its last positions), in ``out.chunks`` order."""
+        chunk (its last positions), in ``out.chunks`` order.
+
+        A short chunk that extends a cached context (a decode, or a decode with jump-forward
+        drafts) runs as decode rows, one per token, each seeing the context up to itself: the
+        cascade decode attention then reads the shared context once for all of them, which is
+        far cheaper than a prefill segment per request.
+        """
         self._copy_slots(out.copies)
+        row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]
+        segment_chunks = [c for c in out.prefills if not _as_decode_rows(c)]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        for chunk in out.chunks:
+        offset: dict[int, int] = {}
+        for chunk in row_chunks + segment_chunks:
+            offset[id(chunk)] = len(input_ids)
             input_ids += chunk.token_ids
             positions += range(chunk.start, chunk.end)
             slots += slot_ids(chunk.block_table, chunk.start, chunk.end, self.block_size)
-            sample_rows += range(len(input_ids) - chunk.num_logits, len(input_ids))
         bs = self.block_size
         meta = AttentionMetadata.build(
-            decode_block_tables=[c.block_table[: -(-c.end // bs)] for c in out.decodes],
-            decode_context_lens=[c.end for c in out.decodes],
-            prefills=[(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in out.prefills],
+            decode_block_tables=[c.block_table[: -(-(p + 1) // bs)] for c in row_chunks for p in range(c.start, c.end)],
+            decode_context_lens=[p + 1 for c in row_chunks for p in range(c.start, c.end)],
+            prefills=[(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in segment_chunks],
             slot_mapping=slots,
             block_size=bs,
             null_block=NULL_BLOCK,
@@ -58,6 +73,8 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
+        sample_rows = [row for c in out.chunks
+                       for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]
         return self.model.logits(hidden[sample_rows])
 
     def _copy_slots(self, copies: list[SlotCopy]) -> None:

@@ -6,6 +6,11 @@
    largest key);
 3. new admissions in policy order while budget, seats and memory last.
 
+A step that admits an urgent request runs urgent work only: everything else (decodes included)
+waits one step, so the urgent request's first token comes after the shortest possible step
+rather than after a full batch (on a CPU a full prefill budget takes seconds). Nothing is lost:
+the deferred work runs in the next step.
+
 It also ends requests whose deadline has passed (``expire``), estimates when a new request
 would get its first token (``first_token_eta``) so the engine can reject a deadline it cannot
 meet, and holds requests whose grammar is still compiling (``WAITING_FOR_GRAMMAR``) out of the
@@ -159,11 +164,14 @@ class Scheduler:
         queue = self.policy.order(list(self.waiting), now, lambda r: self.kv.match(r).num_tokens)
         scheduled: set[int] = set()
         budget = self._admit_preempting(queue, budget, scheduled, out)
+        urgent_step = bool(scheduled)
         key = self.policy.key
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, key(r, now))):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING or id(req) in scheduled:  # preempted, or admitted above
+                continue
+            if urgent_step and not self.policy.is_urgent(req):
                 continue
             left = req.num_tokens - req.num_computed_tokens
             n = min(left, budget)
@@ -173,7 +181,7 @@ class Scheduler:
             self._emit(req, n, out, drafts)
             scheduled.add(id(req))
             budget -= n + len(drafts)
-        if not out.preempted:
+        if not out.preempted and not urgent_step:
             self._admit([r for r in queue if r.status == RequestStatus.WAITING], budget, out)
         return out
 

@@ -165,6 +165,7 @@ class Result:
     degraded: bool = False  # an edge fallback answered because the cloud could not
     escalation_reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds: queue, ttft, e2e, ...
+    detail: str | None = None  # why it ended, where the finish reason needs words
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,25 @@ def test_the_openai_client_gets_completions_and_streams(daemon):
                                     extra_body={"priority": "urgent-please"})
 
 
+def test_structured_output_over_both_surfaces(daemon, client):
+    schema = {"type": "object", "properties": {"skill": {"enum": ["goto", "dock"]}, "speed": {"type": "integer"}},
+              "required": ["skill", "speed"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "move", "schema": schema}}
+    result = client.generate(Generate("structured-1", messages=TASK, sampling=Sampling(max_tokens=40),
+                                      response_format=rf), timeout_s=120)
+    plan = json.loads(result.text)
+    assert plan["skill"] in ("goto", "dock") and isinstance(plan["speed"], int)
+    with pytest.raises(RequestFailed) as info:
+        client.generate(Generate("structured-bad", messages=TASK, response_format={"type": "regex", "regex": "(x"}))
+    assert info.value.code is ErrorCode.INVALID_REQUEST and "regex" in str(info.value)
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=daemon.fields["http"] + "/v1", api_key="unused", max_retries=0)
+    chat = api.chat.completions.create(model="any", messages=[{"role": m.role, "content": m.content} for m in TASK],
+                                       max_tokens=40, temperature=0, response_format=rf)
+    assert json.loads(chat.choices[0].message.content) == plan  # greedy: the same plan
+    assert client.stats()["grammar"]["cache_hits"] >= 1
+
+
 def test_health_and_prometheus_metrics(daemon, client):
     client.generate(plan("metrics-1", max_tokens=4, priority=Priority.SAFETY, robot_id="amr-9"), timeout_s=120)
     with urllib.request.urlopen(daemon.fields["http"] + "/health", timeout=10) as r:

@@ -243,3 +243,23 @@ def test_cache_aware_ordering_matches_only_the_head_of_a_long_queue():
     calls = []
     ordered = policy.order(waiting, now=0.0, prefix_len=lambda r: calls.append(r) or 0)
     assert len(calls) <= 32 and len(ordered) == 5000 and set(ordered) == set(waiting)
+
+
+def test_a_step_that_admits_a_safety_request_runs_nothing_of_lower_classes():
+    clock = FakeClock()
+    eng = fleet_engine(clock, max_num_batched_tokens=16)
+    eng.submit(tokens(4, 3), greedy(30), "decoding", buffered=False)
+    eng.submit(tokens(60, 1), greedy(4), "plan", buffered=False)  # a prompt of four chunks
+    for _ in range(2):
+        clock.advance(0.1)
+        eng.step()
+    plan, decoding = request(eng, "plan"), request(eng, "decoding")
+    computed, decoded = plan.num_computed_tokens, decoding.num_output_tokens
+    assert decoded > 0
+    eng.submit(tokens(8, 2), greedy(4), "safety", buffered=False, priority=Priority.SAFETY)
+    clock.advance(0.1)
+    assert [d.request_id for d in eng.step()] == ["safety"]  # its first token, in a step of its own
+    assert plan.num_computed_tokens == computed and decoding.num_output_tokens == decoded
+    clock.advance(0.1)
+    eng.step()
+    assert plan.num_computed_tokens > computed  # the plan's prefill goes on next step

@@ -8,11 +8,13 @@ Accepted shapes (OpenAI's plus two of ours):
     {"type": "json_schema", "schema": {...}}
     {"type": "regex", "regex": "..."}
     {"type": "ebnf", "ebnf": "..."}                               (root rule `root`)
-    {"type": "skills", "skills": [{"name", "description", "args"}, ...], "max_steps": 16}
+    {"type": "skills", "skills": [{"name", "description", "args"}, ...], "max_steps": 8}
 
 A skill's `args` maps an argument name to "string" | "number" | "integer" | "boolean" or to a
 list of strings (an enum). A skill plan is `{"steps": [{"skill": <name>, "args": {...}}, ...],
-"done": <bool>}`; every argument is required and no other key is allowed.
+"done": <bool>, "confidence": <0..1>}` (the form the fleet prompts ask for); every argument is
+required and no other key is allowed. Values are bounded so a plan always ends: strings at
+most `MAX_STRING_CHARS` characters, numbers within +-`MAX_NUMBER`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from typing import Any, Literal
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "ebnf")
 
-DEFAULT_MAX_STEPS = 16
+DEFAULT_MAX_STEPS = 8  # the fleet prompts' "at most 8 steps"
 ARG_TYPES = ("string", "number", "integer", "boolean")
+MAX_STRING_CHARS = 32
+MAX_NUMBER = 10_000
 
 # The skills of the bundled fleet traces (../shared/workloads/fleet.py), by robot type.
 AMR_SKILLS: tuple[dict[str, Any], ...] = (
@@ -131,8 +135,9 @@ def plan_schema(skills: Sequence[Mapping[str, Any]], max_steps: int = DEFAULT_MA
         "properties": {
             "steps": {"type": "array", "items": {"anyOf": steps}, "minItems": 1, "maxItems": max_steps},
             "done": {"type": "boolean"},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
         },
-        "required": ["steps", "done"],
+        "required": ["steps", "done", "confidence"],
         "additionalProperties": False,
     }
 
@@ -165,7 +170,11 @@ def _step_schema(skill: Any, where: str) -> dict[str, Any]:
 
 
 def _arg_schema(kind: Any, where: str) -> dict[str, Any]:
-    if isinstance(kind, str) and kind in ARG_TYPES:
+    if kind == "string":
+        return {"type": "string", "maxLength": MAX_STRING_CHARS}
+    if kind in ("number", "integer"):
+        return {"type": kind, "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER}
+    if kind == "boolean":
         return {"type": kind}
     is_enum = isinstance(kind, list) and kind and all(isinstance(value, str) for value in kind)
     if is_enum and len(set(kind)) == len(kind):
@@ -201,3 +210,8 @@ def _nonempty_str(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where}: expected a non-empty string, got {value!r}")
     return value
+
+
+def fleet_plan_format() -> dict[str, Any]:
+    """The response_format of a plan over the bundled fleet traces' skills ("fleet-plan")."""
+    return {"type": "json_schema", "json_schema": {"name": "fleet-plan", "schema": plan_schema(FLEET_SKILLS)}}
