@@ -20,7 +20,7 @@ from shared.engine.request import FinishReason, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.model.llama import build_model
 
-TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "workloads" / "fleet-256.jsonl"
+TRACE = Path(__file__).with_name("robot_tasks.jsonl")  # the first 100 requests of fleet-256
 PLAN = plan_schema(FLEET_SKILLS)
 PLAN_FORMAT = {"type": "json_schema", "json_schema": {"name": "fleet-plan", "schema": PLAN}}
 

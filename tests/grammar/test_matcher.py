@@ -47,7 +47,8 @@ def decode_randomly(state: GrammarState, masks: MaskBatch, generator: torch.Gene
 
 def check_plan(plan: dict) -> None:
     """The plan matches plan_schema(SKILLS, max_steps=3), key order included."""
-    assert list(plan) == ["steps", "done"] and isinstance(plan["done"], bool)
+    assert list(plan) == ["steps", "done", "confidence"] and isinstance(plan["done"], bool)
+    assert 0 <= plan["confidence"] <= 1
     assert 1 <= len(plan["steps"]) <= 3
     skills = {skill["name"]: skill["args"] for skill in SKILLS}
     for step in plan["steps"]:
@@ -58,6 +59,7 @@ def check_plan(plan: dict) -> None:
                 assert value in kind
             else:
                 assert isinstance(value, PYTHON_TYPES[kind]) and (kind == "boolean") == isinstance(value, bool)
+                assert len(value) <= 32 if kind == "string" else kind == "boolean" or abs(value) <= 10_000
 
 
 @pytest.fixture(scope="module")

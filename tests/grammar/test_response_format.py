@@ -36,24 +36,27 @@ def test_regex_and_ebnf_keep_their_text():
 def test_skills_become_the_plan_schema():
     spec = grammar_spec({"type": "skills", "skills": [GOTO, LIFT], "max_steps": 3})
     assert spec.kind == "json_schema" and json.loads(spec.source) == plan_schema([GOTO, LIFT], 3)
-    assert json.loads(grammar_spec({"type": "skills", "skills": [GOTO]}).source) == plan_schema([GOTO], 16)
+    assert json.loads(grammar_spec({"type": "skills", "skills": [GOTO]}).source) == plan_schema([GOTO], 8)
 
 
 def test_plan_schema_shape():
     schema = plan_schema([GOTO, LIFT], max_steps=3)
-    assert list(schema["properties"]) == ["steps", "done"] and schema["required"] == ["steps", "done"]
+    assert list(schema["properties"]) == ["steps", "done", "confidence"]
+    assert schema["required"] == ["steps", "done", "confidence"]
     assert schema["additionalProperties"] is False and schema["properties"]["done"] == {"type": "boolean"}
+    assert schema["properties"]["confidence"] == {"type": "number", "minimum": 0, "maximum": 1}
     steps = schema["properties"]["steps"]
     assert (steps["minItems"], steps["maxItems"]) == (1, 3)
     goto, lift = steps["items"]["anyOf"]
     assert goto["properties"]["skill"] == {"const": "goto"} and goto["description"] == "drive"
     assert goto["required"] == ["skill", "args"] and goto["additionalProperties"] is False
     assert goto["properties"]["args"] == {
-        "type": "object", "properties": {"waypoint": {"type": "string"}, "speed": {"type": "number"}},
+        "type": "object", "properties": {"waypoint": {"type": "string", "maxLength": 32},
+                                         "speed": {"type": "number", "minimum": -10000, "maximum": 10000}},
         "required": ["waypoint", "speed"], "additionalProperties": False}
     assert lift["properties"]["args"]["properties"] == {
-        "load": {"type": "string", "enum": ["shelf", "pallet"]}, "height": {"type": "integer"},
-        "slow": {"type": "boolean"}}
+        "load": {"type": "string", "enum": ["shelf", "pallet"]},
+        "height": {"type": "integer", "minimum": -10000, "maximum": 10000}, "slow": {"type": "boolean"}}
     assert "description" not in lift
 
 
