@@ -26,13 +26,17 @@ class ServerMetrics:
         self._robots: set[str] = set()
         labels = ("priority", "robot")
         r = self.registry
-        self.ttft = Histogram("fleetserve_ttft_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("fleetserve_tpot_seconds", "Time per output token after the first", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("fleetserve_e2e_seconds", "End-to-end request time", labels, buckets=_LATENCY_BUCKETS,
-                             registry=r)
-        self.queue = Histogram("fleetserve_queue_seconds", "Time from arrival to first scheduling", labels,
-                               buckets=_LATENCY_BUCKETS, registry=r)
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(f"fleetserve_{name}_seconds", doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+        # keyed by the RequestRecord field each one observes
+        self.latencies = {
+            "ttft_s": latency("ttft", "Time to first token"),
+            "tpot_s": latency("tpot", "Time per output token after the first"),
+            "e2e_s": latency("e2e", "End-to-end request time"),
+            "queue_s": latency("queue", "Time from arrival to first scheduling"),
+        }
         self.requests = Counter("fleetserve_requests", "Finished requests by outcome", ("priority", "finish_reason"),
                                 registry=r)
         self.output_tokens = Counter("fleetserve_output_tokens", "Generated tokens", ("priority",), registry=r)
@@ -70,9 +74,8 @@ class ServerMetrics:
 
     def on_finish(self, rec: RequestRecord) -> None:
         labels = (rec.priority, self.robot_label(rec.robot_id))
-        for hist, value in ((self.ttft, rec.ttft_s), (self.tpot, rec.tpot_s), (self.e2e, rec.e2e_s),
-                            (self.queue, rec.queue_s)):
-            if value is not None:
+        for field, hist in self.latencies.items():
+            if (value := getattr(rec, field)) is not None:
                 hist.labels(*labels).observe(value)
         self.requests.labels(rec.priority, rec.finish_reason).inc()
         self.output_tokens.labels(rec.priority).inc(rec.output_tokens)

@@ -266,7 +266,8 @@ class CloudServer:
     def _admission_error(self, msg: Generate) -> Error | None:
         if self._draining:
             return Error(ErrorCode.REJECTED, "server is shutting down", msg.request_id)
-        if self.engine.stats().waiting >= self.config.max_waiting:
+        queued = self.engine.scheduler
+        if len(queued.waiting) + len(queued.awaiting_grammar) >= self.config.max_waiting:
             return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_waiting} requests waiting", msg.request_id)
         return None
 

@@ -128,13 +128,12 @@ class Scheduler:
         failed. Returns those it ended."""
         failed = []
         for req in [r for r in self.awaiting_grammar if r.grammar_pending.done()]:
-            del self.awaiting_grammar[req]
             future, req.grammar_pending = req.grammar_pending, None
             if future.exception() is not None:
-                self.awaiting_grammar[req] = None  # so finish() finds it
                 self.finish(req, FinishReason.ABORT)
                 failed.append(FinishedRequest(req, FinishReason.ABORT))
                 continue
+            del self.awaiting_grammar[req]
             req.grammar = GrammarState(future.result())
             req.status = RequestStatus.WAITING
             self.waiting[req] = None
