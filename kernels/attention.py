@@ -24,6 +24,8 @@ All index tensors and masks are built once per step (``AttentionMetadata``), not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, PrefillSegment
@@ -68,6 +70,19 @@ def paged_attention(
         rows = slice(seg.start, seg.start + seg.num_new)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seg, scale)
     return out
+
+
+@dataclass(frozen=True)
+class PagedAttentionStep:
+    """The engine's attention for one step (``shared.model.llama.AttentionStep``): K/V go to
+    ``meta.slot_mapping`` in the paged pools, queries read their sequences' blocks."""
+
+    meta: AttentionMetadata
+
+    def attend(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, self.meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self.meta, scale)
 
 
 def _prefill_attention(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
@@ -71,7 +72,7 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
             self.kv_caches,
-            meta,
+            PagedAttentionStep(meta),
         )
         sample_rows = [row for c in out.chunks
                        for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]

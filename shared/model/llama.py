@@ -14,11 +14,30 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention, write_kv
-from kernels.attention_metadata import AttentionMetadata
+from typing import Protocol
+
 from shared.model.model_config import ModelConfig, RopeScaling
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
+# One layer's (K, V) cache, in whatever layout the step's AttentionStep reads: the engine's
+# paged pools [num_blocks, block_size, kv_heads, head_dim], or edged's dense [max_len, kv_heads, head_dim].
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class AttentionStep(Protocol):
+    """How one forward pass stores and reads K/V, built once per step and shared by every layer:
+    ``kernels.attention.PagedAttentionStep`` (the engine's paged pool, many sequences) or
+    ``kernels.dense_attention.DenseAttentionStep`` (edged's batch-1 buffer)."""
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim], rotary applied
+        k: torch.Tensor,  # [T, kv_heads, head_dim], rotary applied
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        kv_cache: KVCache,
+        scale: float,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        """Write this step's ``k``/``v`` into ``kv_cache`` and attend ``q`` over its context."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -91,15 +110,13 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # [T] int64
         rotary: RotaryEmbedding,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        step: AttentionStep,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = rotary(q.view(-1, self.num_heads, self.head_dim), positions)
         k = rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = step.attend(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -123,13 +140,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, positions, rotary, kv_cache, step):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    """Contract: ``forward`` writes this step's K/V into ``kv_caches`` at ``meta.slot_mapping``
+    """Contract: ``forward`` writes this step's K/V into ``kv_caches`` (where ``step`` says)
     and returns final hidden states; ``logits`` maps chosen rows to vocabulary scores."""
 
     def __init__(self, config: ModelConfig):
@@ -149,11 +166,11 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[KVCache],  # one (K, V) pair per layer
-        meta: AttentionMetadata,
+        step: AttentionStep,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, positions, self.rotary, kv_cache, step)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cloudd.hf_baseline import build_hf_model
+from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
@@ -48,7 +49,7 @@ def _paged_forward(model, kv, tokens, start, table):
     else:
         group = cfg.num_heads // cfg.num_kv_heads
         meta = AttentionMetadata.build([], [], [(used, start, len(tokens))], slots, BLOCK, NULL_BLOCK, ws, group)
-    hidden = model(torch.tensor(tokens), torch.arange(start, end), kv, meta)
+    hidden = model(torch.tensor(tokens), torch.arange(start, end), kv, PagedAttentionStep(meta))
     return model.logits(hidden)
 
 
