@@ -50,6 +50,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_config(args) -> EngineConfig:
     """The config file (or defaults), then any flag given on the command line."""
     base = load_engine_config(args.config) if args.config else EngineConfig(num_blocks=8192)
+    if args.config:
+        from shared.config import load_section
+        from shared.engine.kv.hicache_config import HiCacheConfig
+
+        base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
     engine = {"dtype": args.dtype, "block_size": args.block_size, "num_blocks": args.num_blocks}
     scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
     return dataclasses.replace(
@@ -80,6 +85,9 @@ def cmd_bench(args) -> int:
         baseline_batch_size=args.baseline_batch,
         output_len=args.output_len,
         limit=args.limit,
+        robots=args.robots,
+        tiers=args.tiers,
+        device_pool_frac=args.device_pool_frac,
     )
     result = run_bench(opts)
     if args.json:
@@ -113,7 +121,7 @@ def cmd_serve(args) -> int:
     from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
     from shared.model.checkpoint import load_checkpoint
     from shared.model.llama import build_model
-    from shared.transport.client import FleetClient
+    from shared.transport.client import ClientConfig, FleetClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
@@ -129,7 +137,7 @@ def cmd_serve(args) -> int:
     engine = Engine(model, ckpt.tokenizer, engine_config, policy=policy)
     engine.precompile(_response_formats(serve.precompile))
     server = CloudServer(engine, serve, model_name=model_path.stem)
-    client = FleetClient(server.inproc_endpoint, context=server.context)
+    client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
     http = make_http_server(serve.http_host, serve.http_port, ApiContext(client, ckpt.tokenizer, server.metrics,
                                                                          model_path.stem))
     http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
@@ -190,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--baseline-batch", type=int, default=16)
     bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
+    bench.add_argument("--robots", type=int, help="replay only the first N robots' requests (whole histories)")
+    bench.add_argument("--tiers", type=_comma_list(("off", "on")), default=("off",),
+                       help="HiCache KV tiers variants, comma list (off,on); [hicache] in --config sizes them")
+    bench.add_argument("--device-pool-frac", type=float,
+                       help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks)")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     bench.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
                        help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "

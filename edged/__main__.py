@@ -1,18 +1,121 @@
-"""edged command line. The robot daemon (batch-1 serving, pinned prompts, escalation) arrives
-with its own issue; until then this prints usage and exits non-zero."""
+"""edged command line: ``serve`` (the robot daemon), ``export`` (the ONNX graph of a model),
+``bench`` (batch-1 TTFT and decode speed per backend and quantization), ``quality`` (what each
+quantization costs against the unquantized model)."""
 
 from __future__ import annotations
 
-import sys
+import os
 
-USAGE = """usage: edged {serve,export,bench} ...
-edged is the on-robot daemon: batch-1 quantized decoding, pinned system prompts, escalation
-to cloudd. It is not built yet; the shared engine it will drive is (see `cloudd bench`)."""
+# NOTE: before torch loads: spin-waiting OpenMP threads cost 2-5x on a shared CPU.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from edged.backends.base import BACKENDS, QUANTS  # noqa: E402
+
+
+def _comma_list(choices: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in items if x not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)} (got {text!r})")
+        return items
+
+    return parse
+
+
+def _model_path(arg: Path | None) -> Path:
+    from shared.model.fetch import ensure_default_model
+
+    return arg or ensure_default_model()
+
+
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+
+    from edged.config import EdgeConfig
+    from edged.daemon import build_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = EdgeConfig.load(args.config) if args.config else EdgeConfig()
+    server = build_server(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    cloud = config.escalation.cloud_endpoint or "none"
+    print(f"edged ready: endpoints={','.join(server.endpoints)} backend={config.backend.kind}-"
+          f"{config.backend.quant} cloud={cloud}", flush=True)
+    server.serve_forever()
+    print("edged: stopped", flush=True)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from edged.export import export_onnx
+
+    for quant in args.quant:
+        out = export_onnx(_model_path(args.model), quant, target=args.target, log=print)
+        print(f"{quant}: {out}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from edged.bench import BenchOptions, format_report, run_bench
+
+    opts = BenchOptions(model=_model_path(args.model), backends=args.backend, quants=args.quant,
+                        threads=args.threads, requests=args.requests, decode_tokens=args.decode_tokens,
+                        trace=args.trace)
+    runs = run_bench(opts, log=None if args.json else print)
+    print(json.dumps(runs, indent=2) if args.json else format_report(runs))
+    return 0
+
+
+def cmd_quality(args) -> int:
+    from edged.quality import format_table, quality_report
+
+    specs = [(kind, quant) for kind in args.backend for quant in args.quant]
+    rows = quality_report(_model_path(args.model), specs)
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(USAGE, file=sys.stderr)
-    return 2
+    p = argparse.ArgumentParser(prog="edged", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the robot daemon")
+    s.add_argument("--config", type=Path, help="edged TOML (default: built-in defaults)")
+    s.set_defaults(func=cmd_serve)
+    e = sub.add_parser("export", help="build (or find cached) ONNX graphs of the model")
+    e.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
+    e.add_argument("--quant", type=_comma_list(QUANTS), default=("int4",))
+    e.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
+    e.set_defaults(func=cmd_export)
+    b = sub.add_parser("bench", help="batch-1 TTFT (cold, pinned) and decode tok/s, every combination")
+    b.add_argument("--model", type=Path)
+    b.add_argument("--backend", type=_comma_list(BACKENDS), default=("onnx", "torch"))
+    b.add_argument("--quant", type=_comma_list(QUANTS), default=("none", "int8", "int4"))
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--requests", type=int, default=5, help="plan requests per run (medians over them)")
+    b.add_argument("--decode-tokens", type=int, default=64)
+    b.add_argument("--trace", type=Path, default=Path("../shared/workloads/fleet-256.jsonl"))
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")
+    q.add_argument("--model", type=Path)
+    q.add_argument("--backend", type=_comma_list(BACKENDS), default=("onnx",))
+    q.add_argument("--quant", type=_comma_list(QUANTS), default=("none", "int8", "int4"))
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_quality)
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"edged: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

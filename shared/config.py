@@ -37,11 +37,11 @@ def load_engine_config(path: Path | str) -> EngineConfig:
 
     with open(path, "rb") as f:
         doc = tomllib.load(f)
-    scheduler = _build(SchedulerConfig, doc.get("scheduler", {}), "scheduler")
+    scheduler = build_dataclass(SchedulerConfig, doc.get("scheduler", {}), "scheduler")
     engine = doc.get("engine", {})
     if "scheduler" in engine:
         raise ValueError("[engine] scheduler: use a [scheduler] table")
-    return _build(EngineConfig, {**engine, "scheduler": scheduler}, "engine")
+    return build_dataclass(EngineConfig, {**engine, "scheduler": scheduler}, "engine")
 
 
 def load_section(path: Path | str, table: str, cls):
@@ -51,10 +51,10 @@ def load_section(path: Path | str, table: str, cls):
 
     with open(path, "rb") as f:
         doc = tomllib.load(f)
-    return _build(cls, doc.get(table, {}), table)
+    return build_dataclass(cls, doc.get(table, {}), table)
 
 
-def _build(cls, table: dict, name: str):
+def build_dataclass(cls, table: dict, name: str):
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(cls)}

@@ -44,6 +44,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
+    @classmethod
+    def from_wire(cls, s) -> SamplingParams:
+        """From the protocol's ``Sampling`` (``shared.protocol.messages``); validated as above."""
+        return cls(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                   stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -93,6 +93,7 @@ class Generate:
     deadline_ms: int | None = None  # relative to when the server receives the request
     robot_id: str = ""
     escalation: Escalation = Escalation.AUTO
+    tags: tuple[str, ...] = ()  # task tags; edged escalates the tags its config lists
     stream: bool = False
     resume_from: int = 0  # on a retry of a stream: resend chunks from this seq on
 
@@ -109,7 +110,7 @@ class Generate:
     def fingerprint(self) -> tuple:
         """What makes two messages the same request (a retry may differ only in resume_from)."""
         return (self.messages, self.prompt_ids, self.sampling, self.response_format and repr(self.response_format),
-                self.priority, self.deadline_ms, self.robot_id, self.escalation, self.stream)
+                self.priority, self.deadline_ms, self.robot_id, self.escalation, self.tags, self.stream)
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,11 @@ import time
 from collections.abc import Iterator
 
 import zmq
+import zmq.utils.monitor
 
 from shared.protocol.codec import ProtocolError, decode, encode
 from shared.protocol.messages import Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Stats
+from shared.transport.curve import ClientCurve
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class ClientConfig:
     timeout_s: float = 10.0  # daemon silent this long (probes unanswered): reconnect and retry
     heartbeat_s: float = 1.0  # probe a silent daemon this often while requests are in flight
     retries: int = 3  # reconnections before unfinished calls fail with "unavailable"
+    curve: ClientCurve | None = None  # CURVE keys: encrypt, and authenticate to the daemon
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.retries < 0:
@@ -152,6 +155,11 @@ class FleetClient:
         self._send(Cancel(request_id))
         return call.result(timeout_s if timeout_s is not None else self.config.timeout_s)
 
+    def cancel_nowait(self, request_id: str) -> None:
+        """Ask the daemon to stop a request this client started, without waiting: the
+        request's own call then ends with its result (finish reason ``abort``)."""
+        self._send(Cancel(request_id))
+
     def stats(self, timeout_s: float | None = None) -> dict:
         reply = self._ask(Stats(), timeout_s)
         if isinstance(reply, Error):
@@ -205,16 +213,29 @@ class FleetClient:
         self._outbox.put(msg)
         os.write(self._wake_w, b"x")
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A new DEALER to the daemon and a monitor socket reporting failed CURVE handshakes."""
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.config.curve is not None:
+            self.config.curve.apply(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         sock.connect(self.endpoint)
-        return sock
+        return sock, monitor
+
+    def _handshake_refused(self, monitor: zmq.Socket) -> bool:
+        refused = False
+        while monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(monitor)
+            refused = refused or event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                                                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        return refused
 
     def _run(self) -> None:
-        sock = self._connect()
+        sock, monitor = self._connect()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         last_heard = last_probe = time.monotonic()
         failures = 0
@@ -231,6 +252,8 @@ class FleetClient:
                     if msg is None:
                         return
                     sock.send(encode(msg))
+                if monitor in events and self._handshake_refused(monitor):
+                    self._fail_all(f"{self.endpoint} refused this client's CURVE key (authentication failed)")
                 if sock in events:
                     while sock.poll(0):
                         self._dispatch(sock.recv())
@@ -248,10 +271,14 @@ class FleetClient:
                         continue
                     log.warning("daemon at %s silent for %.1f s: reconnecting (retry %d)", self.endpoint,
                                 now - last_heard, failures)
-                    poller.unregister(sock)
+                    for old in (sock, monitor):
+                        poller.unregister(old)
+                    sock.disable_monitor()
+                    monitor.close()
                     sock.close()
-                    sock = self._connect()
+                    sock, monitor = self._connect()
                     poller.register(sock, zmq.POLLIN)
+                    poller.register(monitor, zmq.POLLIN)
                     for call in self._in_flight():
                         if call.request is not None:
                             sock.send(encode(dataclasses.replace(call.request, resume_from=call.next_seq)))
@@ -262,6 +289,8 @@ class FleetClient:
                     sock.send(encode(Health()))
                     last_probe = now
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
     def _in_flight(self) -> list[Call]:

@@ -1,0 +1,33 @@
+"""Build the configured batch-1 backend (the one place that knows every kind)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from edged.backends.base import Batch1Backend
+from shared.model.checkpoint import Checkpoint
+
+
+def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path, max_len: int,
+                 threads: int = 2, device: str = "cpu") -> Batch1Backend:
+    """``onnx``: the model exported (once, cached beside it) and run by ONNX Runtime, on the
+    CUDA or TensorRT provider when ``device`` is cuda and they are installed. ``torch``: the
+    engine's model over a dense buffer, CUDA-graph decode on a GPU."""
+    from edged.export import model_hash
+
+    if kind == "onnx":
+        from edged.backends.onnx_backend import OnnxBackend, pick_providers
+        from edged.export import export_onnx
+
+        target = "cuda" if device == "cuda" else "cpu"
+        return OnnxBackend(export_onnx(model_path, quant, target=target), max_len=max_len, threads=threads,
+                           providers=pick_providers(target))
+    if kind == "torch":
+        from edged.backends.torch_backend import TorchBackend
+
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        return TorchBackend(checkpoint, max_len, quant=quant, device=device, model_digest=model_hash(Path(model_path)))
+    raise ValueError(f"backend kind {kind!r}: must be 'onnx' or 'torch'")

@@ -1,0 +1,78 @@
+"""edged's TOML config: ``[backend]``, ``[serve]``, ``[escalation]`` and ``[[pinned]]`` prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edged.backends.base import BACKENDS, QUANTS
+from edged.escalation import EscalationConfig
+from edged.server import EdgeServeConfig
+from shared.config import build_dataclass
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Which batch-1 backend runs the model, and how."""
+
+    kind: str = "onnx"  # "onnx" (ONNX Runtime, the fast CPU path) | "torch" (CUDA graphs on a GPU)
+    quant: str = "int4"  # "none" | "int8" | "int4" (weight-only)
+    max_len: int = 2048  # positions in the KV buffer: the robot's local context
+    threads: int = 2  # intra-op threads (use 1 when other processes share the cores)
+    device: str = "cpu"  # "cpu" | "cuda"
+    model: str = ""  # GGUF file or HF folder; empty = the embedded default model
+
+    def __post_init__(self) -> None:
+        if self.kind not in BACKENDS:
+            raise ValueError(f"kind must be one of {', '.join(BACKENDS)}, got {self.kind!r}")
+        if self.quant not in QUANTS:
+            raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.max_len < 16 or self.threads < 1 or self.device not in ("cpu", "cuda"):
+            raise ValueError("max_len >= 16, threads >= 1, device cpu or cuda")
+
+
+@dataclass(frozen=True)
+class PinnedPromptConfig:
+    """A system prompt to pin: its text inline, or a file (relative to the config file)."""
+
+    name: str
+    text: str = ""
+    file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.text) == bool(self.file):
+            raise ValueError(f"pinned prompt {self.name!r}: give exactly one of text and file")
+
+    def read(self, base: Path) -> str:
+        return self.text or (base / self.file).read_text()
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    backend: BackendConfig = BackendConfig()
+    serve: EdgeServeConfig = EdgeServeConfig()
+    escalation: EscalationConfig = EscalationConfig()
+    pinned: tuple[PinnedPromptConfig, ...] = ()
+    base_dir: Path = Path(".")  # where relative paths in the file are resolved
+
+    @classmethod
+    def load(cls, path: Path | str) -> EdgeConfig:
+        """Read a config file; unknown keys and bad values raise ValueError naming them."""
+        import tomllib
+
+        path = Path(path)
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        unknown = set(doc) - {"backend", "serve", "escalation", "pinned"}
+        if unknown:
+            raise ValueError(f"{path}: unknown tables {sorted(unknown)}")
+        pinned = doc.get("pinned", [])
+        if not isinstance(pinned, list):
+            raise ValueError(f"{path}: pinned must be an array of tables ([[pinned]])")
+        return cls(
+            backend=build_dataclass(BackendConfig, doc.get("backend", {}), "backend"),
+            serve=build_dataclass(EdgeServeConfig, doc.get("serve", {}), "serve"),
+            escalation=build_dataclass(EscalationConfig, doc.get("escalation", {}), "escalation"),
+            pinned=tuple(build_dataclass(PinnedPromptConfig, p, "pinned") for p in pinned),
+            base_dir=path.parent,
+        )

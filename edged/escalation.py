@@ -1,0 +1,127 @@
+"""When edged sends a request to cloudd instead of (or after) answering it on the robot.
+
+Rules, in the order they are checked (the first that fires is the reason the result reports):
+
+before running locally
+- ``requested``: the request says ``escalation: cloud`` (``local`` pins it to the robot, and no
+  rule below applies);
+- ``context``: the prompt plus ``max_tokens`` does not fit the local KV buffer (there is then
+  no local plan to fall back on);
+- ``tags``: one of the request's tags is in ``escalate_tags`` (hard task kinds);
+- ``local_queue``: the local queue ahead of it plus its own work cannot finish before its
+  deadline, at the measured local speed;
+
+after a local answer (so that answer is the fallback)
+- ``invalid_plan``: a structured request's text does not parse or fails its JSON schema
+  (e.g. ``max_tokens`` cut it);
+- ``low_confidence``: the mean log-probability the model gave its own tokens (before the
+  grammar mask) is under ``min_mean_logprob``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+import jsonschema
+
+from edged.generation import LocalJob
+from shared.engine.grammar.response_format import GrammarSpec
+from shared.engine.request import FinishReason
+from shared.protocol.messages import Escalation, Generate
+
+
+class EscalationReason(enum.Enum):
+    REQUESTED = "requested"
+    CONTEXT = "context"
+    TAGS = "tags"
+    LOCAL_QUEUE = "local_queue"
+    INVALID_PLAN = "invalid_plan"
+    LOW_CONFIDENCE = "low_confidence"
+
+
+@dataclass(frozen=True)
+class EscalationConfig:
+    """The ``[escalation]`` table of edged's config."""
+
+    cloud_endpoint: str = ""  # cloudd's ZeroMQ endpoint; empty = no cloud, everything local
+    server_public_key: str = ""  # cloudd's public key file (.key): CURVE when set
+    robot_secret_key: str = ""  # this robot's key pair file (.key_secret)
+    escalate_tags: tuple[str, ...] = ()
+    min_mean_logprob: float = -1.5  # a local plan less confident than this escalates
+    heartbeat_s: float = 0.5  # probe a silent cloud this often while escalations wait
+    link_timeout_s: float = 3.0  # cloud silent this long (probes unanswered): the escalation failed
+    cloud_timeout_s: float = 60.0  # no deadline: stop waiting for the cloud after this
+    fallback_margin_ms: int = 100  # with a deadline: answer locally this long before it
+    breaker_failures: int = 3  # failures in a row that open the circuit breaker
+    breaker_cooldown_s: float = 10.0  # how long an open breaker answers locally before a trial
+
+    def __post_init__(self) -> None:
+        if bool(self.server_public_key) != bool(self.robot_secret_key):
+            raise ValueError("server_public_key and robot_secret_key go together")
+        if min(self.heartbeat_s, self.link_timeout_s, self.cloud_timeout_s) <= 0 or self.fallback_margin_ms < 0:
+            raise ValueError("heartbeat_s, link_timeout_s, cloud_timeout_s must be > 0, fallback_margin_ms >= 0")
+
+
+class EscalationPolicy:
+    def __init__(self, config: EscalationConfig, local_context: int):
+        self.config = config
+        self.local_context = local_context
+        self.has_cloud = bool(config.cloud_endpoint)
+
+    def before(self, msg: Generate, prompt_tokens: int, local_wait_s: float | None) -> EscalationReason | None:
+        """The reason to escalate before running locally, or None. ``local_wait_s``: when the
+        local answer would be ready (seconds from now), None when unknown."""
+        if msg.escalation is Escalation.LOCAL:
+            return None
+        if msg.escalation is Escalation.CLOUD:
+            return EscalationReason.REQUESTED
+        if prompt_tokens + msg.sampling.max_tokens > self.local_context:
+            return EscalationReason.CONTEXT
+        if not self.has_cloud:
+            return None
+        if set(msg.tags) & set(self.config.escalate_tags):
+            return EscalationReason.TAGS
+        if msg.deadline_ms is not None and local_wait_s is not None and local_wait_s > msg.deadline_ms / 1000:
+            return EscalationReason.LOCAL_QUEUE
+        return None
+
+    def after(self, msg: Generate, job: LocalJob, spec: GrammarSpec | None) -> EscalationReason | None:
+        """The reason to escalate a finished local answer, or None."""
+        if msg.escalation is not Escalation.AUTO or not self.has_cloud:
+            return None
+        if job.finish_reason in (FinishReason.ABORT, FinishReason.DEADLINE):
+            return None  # cancelled, or no time left for the cloud either
+        if spec is not None and not plan_is_valid(job.text, spec):
+            return EscalationReason.INVALID_PLAN
+        mean = job.mean_logprob
+        if mean is not None and mean < self.config.min_mean_logprob:
+            return EscalationReason.LOW_CONFIDENCE
+        return None
+
+
+def parse_structured(text: str, spec: GrammarSpec) -> dict | list | None:
+    """The JSON a structured answer holds (json_schema / json_object), else None."""
+    if spec.kind not in ("json_schema", "json_object"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def plan_is_valid(text: str, spec: GrammarSpec) -> bool:
+    """Does ``text`` satisfy ``spec``? JSON kinds parse (and validate against the schema);
+    regex and EBNF answers are complete exactly when the grammar accepted its end."""
+    if spec.kind not in ("json_schema", "json_object"):
+        return True
+    value = parse_structured(text, spec)
+    if value is None:
+        return False
+    if spec.kind == "json_schema":
+        try:
+            jsonschema.validate(value, json.loads(spec.source))
+        except jsonschema.ValidationError:
+            return False
+    return True

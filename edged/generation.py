@@ -1,0 +1,204 @@
+"""Batch-1 generation over one backend's KV buffer: prefix reuse, pinned prompts, resumable jobs.
+
+``Batch1Generator`` owns the buffer and knows which tokens it holds. Before a job runs it
+reuses the longest common prefix of what the buffer holds (a robot's replan continues its own
+conversation) or of a pinned system prompt's saved K/V, whichever is longer, and prefills only
+the rest. Each token is chosen by the engine's sampler under the request's grammar mask; the
+job records the model's own log-probability of it (before the mask) for the confidence rule.
+
+A job can be interrupted between tokens (``should_yield``: a more urgent request is waiting)
+and resumed later: its prompt plus the tokens it has are prefilled again, mostly from the
+buffer or a pinned prompt, and it continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from edged.backends.base import Batch1Backend
+from edged.pinned import PinnedKVStore, PinnedPrompt
+from shared.engine.detokenizer import IncrementalDetokenizer
+from shared.engine.grammar.compiler import GrammarCompiler
+from shared.engine.grammar.matcher import GrammarState, MaskBatch
+from shared.engine.grammar.response_format import GrammarSpec
+from shared.engine.request import FinishReason
+from shared.engine.sampler import Sampler
+from shared.engine.sampling_params import SamplingParams
+from shared.model.tokenizer import Tokenizer
+
+PREFILL_CHUNK = 512  # tokens per forward while prefilling (bounds activation memory)
+
+
+@dataclass(eq=False)
+class LocalJob:
+    """One request generated on the robot; mutable progress, owned by the generator's thread."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    spec: GrammarSpec | None = None  # its response_format; compiled into ``grammar`` when it first runs
+    grammar: GrammarState | None = None
+    deadline: float | None = None  # absolute, on the generator's clock
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    raw_logprob_sum: float = 0.0  # the model's own log-probability of each token, unmasked
+    finish_reason: FinishReason | None = None
+    prefilled_tokens: int = 0  # computed by prefills (all runs of this job)
+    reused_tokens: int = 0  # taken from the buffer or a pinned prompt on the first run
+    pinned_prompt: str | None = None  # the pinned prompt the first run started from
+    first_token_s: float | None = None  # clock time of the first token
+    preemptions: int = 0
+    error: str | None = None  # the backend failed; nothing usable was produced
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def mean_logprob(self) -> float | None:
+        return self.raw_logprob_sum / len(self.generated) if self.generated else None
+
+
+class Batch1Generator:
+    """Runs ``LocalJob``s one at a time on ``backend``; not thread-safe (one worker thread)."""
+
+    def __init__(self, backend: Batch1Backend, tokenizer: Tokenizer, compiler: GrammarCompiler,
+                 pinned_dir: Path | str | None = None, clock: Callable[[], float] = time.monotonic):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.compiler = compiler
+        self.clock = clock
+        self.eos_token_ids = tokenizer.eos_token_ids
+        self.sampler = Sampler()
+        self.masks = MaskBatch(backend.vocab_size)
+        self.store = PinnedKVStore(pinned_dir) if pinned_dir is not None else None
+        self.pinned: dict[str, PinnedPrompt] = {}
+        self.held: list[int] = []  # tokens whose K/V the buffer holds at positions 0..len-1
+
+    # --- pinned prompts ----------------------------------------------------------------------
+
+    def pin(self, name: str, token_ids: Sequence[int]) -> PinnedPrompt:
+        """Make ``token_ids`` a pinned prefix: from the disk cache, else prefilled (and saved)."""
+        ids = tuple(token_ids)
+        if not ids or len(ids) >= self.backend.max_len:
+            raise ValueError(f"pinned prompt {name!r}: {len(ids)} tokens does not fit a buffer of "
+                             f"{self.backend.max_len}")
+        identity = self.backend.identity()
+        snapshot = self.store.load(identity, ids) if self.store else None
+        from_disk = snapshot is not None
+        if snapshot is None:
+            self._forward_from(list(ids), 0)
+            snapshot = self.backend.save_kv(len(ids))
+            if self.store:
+                self.store.save(identity, ids, snapshot)
+        prompt = PinnedPrompt(name, ids, snapshot, from_disk)
+        self.pinned[name] = prompt
+        return prompt
+
+    # --- generation --------------------------------------------------------------------------
+
+    def run(self, job: LocalJob, emit: Callable[[list[int], str], None],
+            should_yield: Callable[[], bool] = lambda: False,
+            cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """Generate until ``job`` finishes (True) or ``should_yield()`` asks to pause it (False).
+
+        ``emit(token_ids, text)`` gets each new token and the text it completes (text may lag
+        behind tokens by a few characters; the stop token's text is never emitted).
+        """
+        if job.spec is not None and job.grammar is None:
+            job.grammar = GrammarState(self.compiler.compile(job.spec))
+        context = job.prompt_ids + job.generated
+        first_run = job.prefilled_tokens == 0 and not job.generated
+        reused = self._prepare(context, job if first_run else None)
+        logits = self._forward_from(context[reused:], reused)
+        job.prefilled_tokens += len(context) - reused
+        while True:
+            if cancelled():
+                return self._end(job, FinishReason.ABORT, emit)
+            if job.deadline is not None and self.clock() >= job.deadline:
+                return self._end(job, FinishReason.DEADLINE, emit)
+            if should_yield():
+                job.preemptions += 1
+                return False
+            token = self._choose(job, logits)
+            reason = self._stop_reason(job, token)
+            emit([token], job.detok.push([token] if reason is not FinishReason.STOP else []))
+            if reason is None and job.detok.stopped:
+                reason = FinishReason.STOP
+            if reason is None and len(self.held) + 1 >= self.backend.max_len:
+                reason = FinishReason.LENGTH  # the buffer is full
+            if reason is not None:
+                return self._end(job, reason, emit)
+            logits = self.backend.forward([token], len(self.held))
+            self.held.append(token)
+
+    def _prepare(self, context: list[int], job: LocalJob | None) -> int:
+        """Load the best reusable prefix for ``context``; returns how many tokens it covers."""
+        usable = len(context) - 1  # at least one token is computed, for its logits
+        reused = _common_prefix(self.held, context, usable)
+        best = max(self.pinned.values(), default=None,
+                   key=lambda p: _common_prefix(p.token_ids, context, usable))
+        from_pin = _common_prefix(best.token_ids, context, usable) if best else 0
+        if from_pin > reused:
+            self.backend.load_kv(best.snapshot)
+            reused = from_pin
+        if job is not None:
+            job.reused_tokens = reused
+            job.pinned_prompt = best.name if best and from_pin == len(best.token_ids) else None
+        self.held = context[:reused]
+        return reused
+
+    def _forward_from(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Prefill ``tokens`` at ``start`` in chunks; the buffer then holds them."""
+        logits = None
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            logits = self.backend.forward(tokens[i:i + PREFILL_CHUNK], start + i)
+        self.held = self.held[:start] + list(tokens)
+        return logits
+
+    def _choose(self, job: LocalJob, logits: torch.Tensor) -> int:
+        raw = torch.log_softmax(logits, dim=-1)
+        batch = logits[None].clone()
+        if job.grammar is not None and not job.grammar.finished:
+            self.masks.apply(batch, [0], [job.grammar])
+        token, _ = self.sampler.sample(batch, [job.request_id], [job.params])[0]
+        job.generated.append(token)
+        job.raw_logprob_sum += float(raw[token])
+        if job.first_token_s is None:
+            job.first_token_s = self.clock()
+        if job.grammar is not None and not job.grammar.finished:
+            job.grammar.accept(token)
+        return token
+
+    def _stop_reason(self, job: LocalJob, token: int) -> FinishReason | None:
+        sp = job.params
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if job.grammar is not None and job.grammar.finished:
+            return FinishReason.STOP
+        if len(job.generated) >= sp.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _end(self, job: LocalJob, reason: FinishReason, emit: Callable[[list[int], str], None]) -> bool:
+        job.finish_reason = reason
+        rest = job.detok.flush()
+        if rest:
+            emit([], rest)
+        job.text = job.detok.text
+        self.sampler.forget(job.request_id)
+        return True
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

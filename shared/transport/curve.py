@@ -1,0 +1,92 @@
+"""CURVE encryption and authentication between robots (edged) and the fleet (cloudd).
+
+Keys are ZeroMQ certificate files (``zmq.auth.create_certificates``): ``<name>.key`` holds the
+public key, ``<name>.key_secret`` both. cloudd has a server key pair and a directory of the
+robots' public keys it accepts; each robot has its own key pair and cloudd's public key. A
+robot whose key is not in that directory fails the handshake and never reaches the daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+
+@dataclass(frozen=True)
+class ClientCurve:
+    """What a client needs: the server's public key and its own key pair (z85 bytes)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(cls, server_public_file: Path | str, client_secret_file: Path | str) -> ClientCurve:
+        server_public, _ = zmq.auth.load_certificate(Path(server_public_file).expanduser())
+        public, secret = zmq.auth.load_certificate(Path(client_secret_file).expanduser())
+        if secret is None:
+            raise ValueError(f"{client_secret_file}: no secret key in it (use the .key_secret file)")
+        return cls(server_public, public, secret)
+
+    def apply(self, socket: zmq.Socket) -> None:
+        socket.curve_serverkey = self.server_public
+        socket.curve_publickey = self.public
+        socket.curve_secretkey = self.secret
+
+
+class ServerCurve:
+    """Makes server sockets CURVE-only, admitting the public keys in ``authorized_dir`` (read
+    at start) plus those added with ``authorize`` (e.g. an in-process client's own key).
+
+    One ZAP authenticator thread per context; ``stop()`` ends it. ``refused`` counts handshakes
+    turned away.
+    """
+
+    def __init__(self, context: zmq.Context, server_secret_file: Path | str, authorized_dir: Path | str):
+        public, secret = zmq.auth.load_certificate(Path(server_secret_file).expanduser())
+        if secret is None:
+            raise ValueError(f"{server_secret_file}: no secret key in it (use the .key_secret file)")
+        authorized = Path(authorized_dir).expanduser()
+        if not authorized.is_dir():
+            raise ValueError(f"{authorized}: no such directory of authorized robot keys")
+        self.public, self._secret = public, secret
+        self._allowed = set(zmq.auth.load_certificates(str(authorized)).keys())
+        self.refused = 0
+        self._auth = ThreadAuthenticator(context)
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: admit ``key`` (z85)?"""
+        ok = key in self._allowed
+        self.refused += not ok
+        return ok
+
+    def authorize(self, public: bytes) -> None:
+        self._allowed.add(public)
+
+    def local_client(self) -> ClientCurve:
+        """A fresh key pair, authorized, for a client in this process."""
+        public, secret = zmq.curve_keypair()
+        self.authorize(public)
+        return ClientCurve(self.public, public, secret)
+
+    def apply(self, socket: zmq.Socket) -> None:
+        socket.curve_server = True
+        socket.curve_publickey = self.public
+        socket.curve_secretkey = self._secret
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def create_keys(directory: Path | str, name: str) -> tuple[Path, Path]:
+    """A new key pair ``<directory>/<name>.key`` (public) and ``.key_secret``; returns both paths."""
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)
