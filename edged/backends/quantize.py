@@ -36,8 +36,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         out_features, in_features = w.shape
-        if in_features % group:
-            raise ValueError(f"int4: in_features {in_features} is not a multiple of the group {group}")
+        if in_features % group or out_features % 16:
+            raise ValueError(f"int4 needs in_features a multiple of {group} and out_features of 16, "
+                             f"got {in_features} and {out_features}")
         grouped = w.view(out_features, -1, group)
         low, high = grouped.amin(-1), grouped.amax(-1)
         scales = (high - low).clamp(min=1e-8) / 15

@@ -1,0 +1,49 @@
+"""Weight-only int8/int4 layers against a naive reference: the float weight their rounding rule
+gives, multiplied the plain way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from edged.backends.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_linears
+
+
+def reference_int8(w: torch.Tensor) -> torch.Tensor:
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(w / scale).clamp(-128, 127) * scale
+
+
+def reference_int4(w: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(w)
+    for r in range(w.shape[0]):
+        for g in range(0, w.shape[1], INT4_GROUP):
+            block = w[r, g:g + INT4_GROUP]
+            low, high = block.min(), block.max()
+            scale = max(float(high - low), 1e-8) / 15
+            out[r, g:g + INT4_GROUP] = torch.round((block - low) / scale).clamp(0, 15) * scale + low
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(out_f=st.integers(1, 4).map(lambda n: 16 * n), groups=st.integers(1, 4), rows=st.integers(1, 5),
+       seed=st.integers(0, 2**16), bias=st.booleans())
+def test_quantized_linears_multiply_by_their_rounded_weight(out_f, groups, rows, seed, bias):
+    torch.manual_seed(seed)
+    linear = nn.Linear(groups * INT4_GROUP * 2, out_f, bias=bias)
+    x = torch.randn(rows, linear.in_features)
+    for layer, reference in ((Int8Linear(linear), reference_int8), (Int4Linear(linear), reference_int4)):
+        expected = x @ reference(linear.weight.detach()).T + (linear.bias.detach() if bias else 0)
+        torch.testing.assert_close(layer(x), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_quantize_linears_replaces_every_linear_and_keeps_the_embedding_float():
+    model = nn.Sequential(nn.Embedding(10, 64), nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 32)))
+    quantize_linears(model, "int4")
+    assert isinstance(model[1], Int4Linear) and isinstance(model[2][0], Int4Linear)
+    assert model[0].weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_linears(model, "int3")
