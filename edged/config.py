@@ -33,18 +33,29 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class PinnedPromptConfig:
-    """A system prompt to pin: its text inline, or a file (relative to the config file)."""
+    """A prefix to pin: a system prompt (``text`` inline, or ``file`` relative to the config
+    file) and optionally the robot's standing context (``context``/``context_file``: a first
+    user message every request repeats, e.g. its scene), pinned as one prefix."""
 
     name: str
     text: str = ""
     file: str = ""
+    context: str = ""
+    context_file: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.text) == bool(self.file):
             raise ValueError(f"pinned prompt {self.name!r}: give exactly one of text and file")
+        if self.context and self.context_file:
+            raise ValueError(f"pinned prompt {self.name!r}: give at most one of context and context_file")
 
-    def read(self, base: Path) -> str:
-        return self.text or (base / self.file).read_text()
+    def messages(self, base: Path) -> list[dict[str, str]]:
+        """The chat messages the pinned prefix is rendered from."""
+        out = [{"role": "system", "content": self.text or (base / self.file).read_text()}]
+        context = self.context or (self.context_file and (base / self.context_file).read_text())
+        if context:
+            out.append({"role": "user", "content": context})
+        return out
 
 
 @dataclass(frozen=True)

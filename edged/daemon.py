@@ -32,8 +32,7 @@ def build_server(config: EdgeConfig) -> EdgeServer:
     generator = Batch1Generator(backend, checkpoint.tokenizer, compiler, pinned_dir=config.serve.pinned_dir)
     worker = LocalWorker(generator)
     for pin in config.pinned:
-        ids = checkpoint.tokenizer.encode_chat([{"role": "system", "content": pin.read(config.base_dir)}],
-                                                add_generation_prompt=False)
+        ids = checkpoint.tokenizer.encode_chat(pin.messages(config.base_dir), add_generation_prompt=False)
         start = time.monotonic()
         prompt = generator.pin(pin.name, ids)
         seconds = time.monotonic() - start
