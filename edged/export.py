@@ -1,0 +1,199 @@
+"""`edged export`: a model (GGUF or HF folder) -> an ONNX graph built by onnxruntime-genai's model
+builder (fused GroupQueryAttention over one preallocated KV buffer, MatMulNBits int4/int8
+weights), cached beside the model.
+
+Cache layout, for a model at ``<dir>/<name>`` (a ``.gguf`` file or a HF folder)::
+
+    <dir>/<name>.onnx/<quant>-<target>/model.onnx        (+ model.onnx.data, genai_config.json)
+                                       manifest.json     (written last; its key says what it was built from)
+
+A directory whose manifest key matches (model content hash, builder version, quant, target) is
+reused; anything else is rebuilt in a temporary sibling directory and renamed into place, so a
+reader never sees a half-built export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+QUANTS = ("none", "int8", "int4")
+TARGETS = ("cpu", "cuda")
+# quant -> the builder's --precision. NOTE: "none" stays fp32 on cuda too, so it matches torch fp32.
+_PRECISION = {"none": "fp32", "int8": "int8", "int4": "int4"}
+# NOTE: edged only needs the last token's logits; pruning the LM head to it cuts prefill ~15%.
+BUILDER_OPTIONS = {"prune_lm_head": "true"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+INSTALL_HINT = "pip install 'fleetserve[onnx]'"
+
+
+class ExportError(RuntimeError):
+    """The export could not be built (missing dependency, builder failure)."""
+
+
+def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | str | None = None,
+                target: str = "cpu", log=None) -> Path:
+    """The directory holding ``model.onnx`` for ``model_path`` at ``quant`` for ``target``.
+
+    Reuses a matching cached export; otherwise builds one (20-60 s for a 135M model).
+    ``cache_root`` None puts the cache beside the model, else under ``cache_root/<name>.onnx``.
+    ``log`` (a callable taking one str) hears about progress; None is silent.
+    Raises ValueError for a bad quant/target, FileNotFoundError for a missing model, ExportError
+    when onnxruntime-genai (or transformers, which its builder needs) is missing or the builder fails.
+    """
+    if quant not in QUANTS:
+        raise ValueError(f"quant={quant!r}: must be one of {QUANTS}")
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: must be one of {TARGETS}")
+    model_path = Path(model_path).expanduser().resolve()
+    if not model_path.exists():
+        raise FileNotFoundError(f"no model at {model_path}")
+    say = log or (lambda _msg: None)
+    version = builder_version()
+    out = cache_dir_for(model_path, quant, target, cache_root)
+    key = {"manifest_version": MANIFEST_VERSION, "model_sha256": model_hash(model_path),
+           "builder": f"onnxruntime-genai {version}", "quant": quant, "target": target,
+           "builder_options": BUILDER_OPTIONS}
+    if read_manifest(out).get("key") == key:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    say(f"exporting {model_path.name} ({quant}, {target}) to {out} ...")
+    with tempfile.TemporaryDirectory(prefix=f".build-{quant}-{target}-", dir=out.parent) as tmp:
+        build = Path(tmp) / "onnx"
+        _build(model_path, quant, target, Path(tmp), build)
+        manifest = {"key": key, "source": str(model_path), "precision": _PRECISION[quant],
+                    "files": sorted(p.name for p in build.iterdir())}
+        (build / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _install(build, out, key)
+    say(f"exported to {out}")
+    return out
+
+
+def builder_version() -> str:
+    """onnxruntime-genai's version; ExportError naming the install command when it or transformers is missing."""
+    for module in ("onnxruntime_genai", "onnxruntime", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            raise ExportError(f"the ONNX export needs {module}, which is not installed: {INSTALL_HINT}")
+    return importlib.metadata.version("onnxruntime-genai")
+
+
+def cache_dir_for(model_path: Path, quant: str, target: str, cache_root: Path | str | None = None) -> Path:
+    """Where the export of ``model_path`` at ``quant``/``target`` lives (whether built or not)."""
+    base = model_path.parent if cache_root is None else Path(cache_root).expanduser()
+    return base / f"{model_path.name}.onnx" / f"{quant}-{target}"
+
+
+def model_hash(model_path: Path) -> str:
+    """sha256 of the model file, or of a HF folder's config, tokenizer and weight files (names and bytes)."""
+    files = [model_path] if model_path.is_file() else sorted(
+        p for p in model_path.iterdir()
+        if p.is_file() and (p.suffix in (".safetensors", ".json") or p.name == "chat_template.jinja"))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(export_dir: Path) -> dict[str, Any]:
+    """The export's manifest, {} when absent or unreadable (then it is rebuilt)."""
+    try:
+        return json.loads((export_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _build(model_path: Path, quant: str, target: str, tmp: Path, out: Path) -> None:
+    """Run the builder on a HF folder (written from the checkpoint unless the model already is one)."""
+    hf_dir = model_path if model_path.is_dir() else write_hf_folder(model_path, tmp / "hf")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+           "-p", _PRECISION[quant], "-e", target, "-c", str(tmp / "builder-cache"),
+           "--extra_options", *(f"{k}={v}" for k, v in BUILDER_OPTIONS.items())]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # NOTE: the builder prints ~hundreds of lines; keep them for the error message only.
+    proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not (out / "model.onnx").is_file():
+        tail = "\n".join(proc.stdout.splitlines()[-25:])
+        raise ExportError(f"onnxruntime-genai builder failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+
+
+def write_hf_folder(model_path: Path, hf_dir: Path) -> Path:
+    """Dequantize ``model_path`` with our own loader into a float32 HF folder the builder reads.
+
+    NOTE: not through transformers' GGUF loading: transformers 5 refuses to save a GGUF-loaded model.
+    """
+    from safetensors.torch import save_file
+
+    from shared.model.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(model_path)
+    hf_dir.mkdir(parents=True)
+    weights = {name: t.contiguous() for name, t in checkpoint.weights.items()}
+    save_file(weights, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = checkpoint.tokenizer
+    (hf_dir / "config.json").write_text(json.dumps(hf_config_dict(checkpoint.config, tokenizer), indent=2))
+    tokenizer.backend.save(str(hf_dir / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+                        "eos_token": tokenizer.eos_token, "chat_template": tokenizer.chat_template,
+                        "model_max_length": checkpoint.config.max_position_embeddings}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return hf_dir
+
+
+def hf_config_dict(config, tokenizer) -> dict[str, Any]:
+    """HF ``config.json`` for a ModelConfig (the fields ModelConfig.from_hf_dict reads back)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "architectures": [_ARCHITECTURES[config.arch]],
+        "model_type": config.arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.backend.token_to_id(tokenizer.eos_token) if tokenizer.eos_token else None,
+        "torch_dtype": "float32",
+    }
+
+
+def _install(build: Path, out: Path, key: dict[str, Any]) -> None:
+    """Rename ``build`` to ``out``, replacing a stale export; a concurrent builder that won keeps its copy."""
+    if out.exists():
+        if read_manifest(out).get("key") == key:
+            return  # someone else finished the same build first
+        stale = out.with_name(f".stale-{out.name}-{os.getpid()}")
+        out.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        build.rename(out)
+    except OSError:
+        if read_manifest(out).get("key") != key:
+            raise

@@ -1,0 +1,103 @@
+"""The ONNX Runtime backend against the torch backend, on the default model in fp32.
+
+The fp32 export (~20-40 s) is built once into the cache beside the model and reused by later runs.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime_genai", reason="needs the onnx extra: pip install 'fleetserve[onnx]'")
+
+from edged.backends.base import KVSnapshot  # noqa: E402
+from edged.backends.onnx_backend import OnnxBackend  # noqa: E402
+from edged.export import export_onnx  # noqa: E402
+from edged.quality import PLAN_PROMPTS, greedy_ids  # noqa: E402
+
+MAX_LEN = 128
+GREEDY_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def onnx_fp32(default_model_path):
+    return OnnxBackend(export_onnx(default_model_path, "none"), max_len=MAX_LEN, threads=1)
+
+
+@pytest.fixture(scope="module")
+def torch_fp32(default_checkpoint):
+    from edged.backends.torch_backend import TorchBackend
+
+    return TorchBackend(default_checkpoint, MAX_LEN, quant="none", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(default_checkpoint):
+    tok = default_checkpoint.tokenizer
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in PLAN_PROMPTS[:3]]
+
+
+def test_fp32_greedy_tokens_equal_torch(onnx_fp32, torch_fp32, prompts):
+    for prompt in prompts:
+        assert greedy_ids(onnx_fp32, prompt, GREEDY_TOKENS) == greedy_ids(torch_fp32, prompt, GREEDY_TOKENS)
+
+
+def test_forward_returns_last_logits_as_float32_vector(onnx_fp32, torch_fp32, prompts):
+    ours, theirs = onnx_fp32.forward(prompts[0], 0), torch_fp32.forward(prompts[0], 0)
+    assert ours.shape == (onnx_fp32.vocab_size,) and ours.dtype == torch.float32
+    assert torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3)
+
+
+def test_save_load_kv_round_trip_gives_same_next_logits(onnx_fp32, prompts):
+    prompt, other = prompts[0], prompts[1]
+    onnx_fp32.forward(prompt, 0)
+    snapshot = onnx_fp32.save_kv(len(prompt))
+    expected = onnx_fp32.forward([42], len(prompt))
+    onnx_fp32.forward(other, 0)  # clobber the buffer with another sequence
+    onnx_fp32.load_kv(snapshot)
+    assert torch.equal(onnx_fp32.forward([42], len(prompt)), expected)
+
+
+def test_snapshot_is_a_copy_in_the_protocol_layout(onnx_fp32, torch_fp32, prompts):
+    onnx_fp32.forward(prompts[0], 0)
+    torch_fp32.forward(prompts[0], 0)
+    ours, theirs = onnx_fp32.save_kv(5), torch_fp32.save_kv(5)
+    assert isinstance(ours, KVSnapshot) and ours.length == 5
+    assert ours.keys[0].shape == theirs.keys[0].shape and ours.keys[0].dtype == np.float32
+    assert ours.keys[0].flags.c_contiguous
+    # K is stored after RoPE in both; fp32 kernels differ only in rounding
+    np.testing.assert_allclose(ours.keys[3], theirs.keys[3], atol=1e-3)
+    np.testing.assert_allclose(ours.values[3], theirs.values[3], atol=1e-3)
+    before = ours.keys[0].copy()
+    onnx_fp32.forward(prompts[1], 0)
+    assert np.array_equal(ours.keys[0], before)
+
+
+def test_forward_after_common_prefix_equals_full_recompute(onnx_fp32, prompts):
+    prompt = prompts[0]
+    full = onnx_fp32.forward(prompt, 0)
+    split = len(prompt) - 7
+    onnx_fp32.forward(prompts[1], 0)  # a different sequence; only its first positions are reused below
+    common = next(i for i, (a, b) in enumerate(zip(prompt, prompts[1])) if a != b)
+    assert common < split
+    onnx_fp32.forward(prompt[common:split], common)  # | shared prefix | recomputed | last 7 |
+    resumed = onnx_fp32.forward(prompt[split:], split)
+    assert torch.allclose(resumed, full, atol=1e-4, rtol=1e-4)
+    assert int(resumed.argmax()) == int(full.argmax())
+
+
+def test_bad_input_raises_value_error(onnx_fp32):
+    with pytest.raises(ValueError, match="max_len"):
+        onnx_fp32.forward([1] * (MAX_LEN + 1), 0)
+    with pytest.raises(ValueError, match="max_len"):
+        onnx_fp32.forward([1, 2], MAX_LEN - 1)
+    with pytest.raises(ValueError, match="empty"):
+        onnx_fp32.forward([], 0)
+    with pytest.raises(ValueError, match="ids"):
+        onnx_fp32.forward([onnx_fp32.vocab_size], 0)
+    with pytest.raises(ValueError, match="max_len"):
+        OnnxBackend(onnx_fp32.model_dir, max_len=10**9)
+
+
+def test_identity_names_model_backend_quant_and_provider(onnx_fp32):
+    identity = onnx_fp32.identity()
+    assert identity.startswith("onnx:") and ":none:" in identity and "CPUExecutionProvider" in identity
