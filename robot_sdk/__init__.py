@@ -1,0 +1,20 @@
+"""robot_sdk: the Python client robots use to get plans from edged or cloudd.
+
+Imports only ``shared.protocol`` and ``shared.transport`` (never torch), so it runs on any
+robot computer. See ``examples/pick_and_place.py`` for a complete client.
+"""
+
+from robot_sdk.aio import AsyncPlanClient
+from robot_sdk.client import DEADLINE_GRACE_S, PlanClient
+from robot_sdk.errors import (Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, PlanError, Rejected,
+                              Unavailable)
+from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStep, PlanStepEvent, PlanText
+from robot_sdk.skills import Arg, Skill, as_skills, skill
+from shared.protocol.messages import Escalation, Priority
+
+__all__ = [
+    "AsyncPlanClient", "PlanClient", "DEADLINE_GRACE_S",
+    "Plan", "PlanStep", "PlanText", "PlanStepEvent", "PlanDone", "PlanEvent", "ChatReply",
+    "Skill", "Arg", "skill", "as_skills", "Priority", "Escalation",
+    "PlanError", "DeadlineExceeded", "Rejected", "Unavailable", "InvalidPlan", "InvalidRequest", "Cancelled",
+]
