@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,onnx]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -25,11 +25,22 @@ setup: $(STAMP)
 model: setup
 	$(PY) -m shared.model.fetch
 
-demo: model
+# The ROS 2 node (robot_sdk.ros): the `ros` extra's wheels, then fleetserve_interfaces built with
+# cmake into the venv (about a minute the first time; the script is a no-op when up to date).
+ROS_STAMP := $(VENV)/.ros-installed
+.PHONY: ros
+ros: $(ROS_STAMP)
+
+$(ROS_STAMP): $(STAMP) ros/build_interfaces.sh $(shell find ros/fleetserve_interfaces -type f)
+	$(PY) -m pip install --quiet -e '.[ros]'
+	bash ros/build_interfaces.sh $(VENV)
+	touch $@
+
+demo: model ros
 	$(VENV)/bin/cloudd bench --trace cloudd/traces/fleet-demo.jsonl --index radix,hashed --limit 16
 	$(VENV)/bin/cloudd chat "Plan how a warehouse robot brings crate 17 from aisle 4 to the packing station."
 
-test: model
+test: model ros
 	$(PY) -m pytest -q
 
 # The engine issue's measurement: the whole fleet-256 trace, both indexes and the HF baseline
