@@ -1,4 +1,4 @@
-"""Run a fleetserve daemon as a real child process on loopback for integration tests."""
+"""Run a fleetserve daemon as a real child process on loopback (integration tests, the demo)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ class DaemonProcess:
     """
 
     def __init__(self, module: str, args: list[str], ready: str, timeout_s: float = 180.0):
+        self.module = module
         self._stderr = tempfile.NamedTemporaryFile(prefix=f"{module}-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[1],  # the repository root
         )
         self.lines: list[str] = []
         found = threading.Event()

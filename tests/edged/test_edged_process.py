@@ -16,7 +16,7 @@ from shared.engine.grammar.response_format import fleet_plan_format
 from shared.protocol.messages import ChatMessage, ErrorCode, Escalation, Generate, Result, Sampling
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve, create_keys
-from tests.daemon_process import DaemonProcess
+from shared.daemon_process import DaemonProcess
 
 SYSTEM = (Path(__file__).resolve().parents[2] / "configs/prompts/amr.txt").read_text()
 MAX_LEN = 640
