@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from shared.daemon_process import DaemonProcess
 from shared.protocol.codec import decode, encode
 from shared.protocol.messages import ChatMessage, Chunk, ErrorCode, Generate, Priority, Result, Sampling
 from shared.transport.client import FleetClient, RequestFailed
-from shared.daemon_process import DaemonProcess
 
 TASK = (ChatMessage("system", "You plan tasks for a warehouse robot."),
         ChatMessage("user", "Bring crate 17 from aisle 4 to the packing station."))

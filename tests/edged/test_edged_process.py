@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from robot_sdk import PlanClient
+from shared.daemon_process import DaemonProcess
 from shared.engine.grammar.response_format import fleet_plan_format
 from shared.protocol.messages import ChatMessage, ErrorCode, Escalation, Generate, Result, Sampling
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve, create_keys
-from shared.daemon_process import DaemonProcess
 
 SYSTEM = (Path(__file__).resolve().parents[2] / "configs/prompts/amr.txt").read_text()
 MAX_LEN = 640
@@ -157,7 +158,11 @@ def test_a_robot_key_the_cloud_does_not_know_is_refused(fleet):
     assert e.value.code is ErrorCode.UNAVAILABLE and "refused" in str(e.value)
 
 
-def test_the_cloud_killed_mid_request_falls_back_locally_and_comes_back(fleet, client):
+def goto(waypoint: str) -> None:
+    """drive to a named waypoint"""
+
+
+def test_the_cloud_killed_mid_request_falls_back_locally_and_comes_back(fleet, edge, client):
     call = client.start(request("kill-1", max_tokens=256, escalation=Escalation.CLOUD, deadline_ms=60_000))
     time.sleep(1.5)  # the escalation is running in the cloud
     start = time.monotonic()
@@ -166,8 +171,10 @@ def test_the_cloud_killed_mid_request_falls_back_locally_and_comes_back(fleet, c
     assert result.source.value == "edge" and result.degraded and result.escalation_reason == "requested"
     assert "cloud" in result.detail
     assert time.monotonic() - start < 60  # inside the deadline
-    down = client.generate(request("while-down", escalation=Escalation.CLOUD, max_tokens=8), timeout_s=120)
-    assert down.degraded and down.source.value == "edge"
+    with PlanClient(endpoint(edge, "tcp"), robot_id="amr-030", timeout_s=120) as robot:  # what robots see
+        down = robot.plan("go to waypoint 17.", skills=[goto], escalation="cloud", max_steps=1, max_tokens=64)
+    assert (down.source, down.degraded, down.escalation_reason) == ("edge", True, "requested")
+    assert [step.skill for step in down.steps] == ["goto"]
     fleet.start_cloud()
     ends = time.monotonic() + 90
     while True:  # the breaker lets a trial through after its cooldown; the link reconnects

@@ -15,10 +15,10 @@ import pytest
 from robot_sdk import (AsyncPlanClient, Cancelled, DeadlineExceeded, InvalidPlan, PlanClient, PlanDone, PlanStepEvent,
                        PlanText, skill)
 from robot_sdk.skills import as_skills
+from shared.daemon_process import DaemonProcess
 from shared.engine.grammar.response_format import plan_schema
 from shared.protocol.messages import ErrorCode
 from shared.transport.client import FleetClient
-from shared.daemon_process import DaemonProcess
 
 
 @skill
