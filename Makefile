@@ -36,9 +36,10 @@ $(ROS_STAMP): $(STAMP) ros/build_interfaces.sh $(shell find ros/fleetserve_inter
 	bash ros/build_interfaces.sh $(VENV)
 	touch $@
 
+# The whole system: cloudd and edged linked with CURVE, three plan requests from robot_sdk (on
+# the robot, escalated, urgent), fleetctl status, a clean stop (examples/fleet_demo.py).
 demo: model ros
-	$(VENV)/bin/cloudd bench --trace cloudd/traces/fleet-demo.jsonl --index radix,hashed --limit 16
-	$(VENV)/bin/cloudd chat "Plan how a warehouse robot brings crate 17 from aisle 4 to the packing station."
+	$(PY) examples/fleet_demo.py
 
 test: model ros
 	$(PY) -m pytest -q
