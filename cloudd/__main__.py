@@ -151,6 +151,7 @@ def cmd_serve(args) -> int:
     finally:
         http.shutdown()
         client.close()
+        engine.close()  # after the loop returned: no step races the tier copier's last copies
     print("cloudd: stopped", flush=True)
     return 0
 

@@ -1,8 +1,10 @@
 """`cloudd bench`: replay a fleet trace through the engine in-process (offline: the whole trace
 is submitted at once, in order), greedy with a fixed output length, one run per variant.
 
-Variants are prefix indexes (``--index radix,hashed``) or response formats
-(``--response-format none,plan-schema``). ``plan-schema`` constrains every request to the
+Variants are prefix indexes (``--index radix,hashed``), response formats
+(``--response-format none,plan-schema``) or HiCache tiers (``--tiers off,on``, with the KV
+pool sized as ``--device-pool-frac`` of the replayed requests' working set; the run with tiers
+on reports ``vs_tiers_off``, its replay speed-up). ``plan-schema`` constrains every request to the
 fleet plan schema (the bundled traces' skills); its plans end when complete (at most
 ``PLAN_MAX_TOKENS``), so its ``none`` run then generates, for each request, exactly as many
 tokens as that request's plan had (EOS ignored): both runs produce the same tokens per request
@@ -14,7 +16,10 @@ own, over all output tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +29,8 @@ from cloudd.trace import TraceRequest, load_trace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.response_format import fleet_plan_format
+from shared.engine.kv.hicache_config import HiCacheConfig
+from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.llama import build_model
@@ -40,6 +47,10 @@ class BenchOptions:
     baseline_batch_size: int = 16
     output_len: int = 96
     limit: int | None = None
+    robots: int | None = None  # replay only the requests of the first N robots (whole histories)
+    tiers: tuple[str, ...] = ("off",)  # HiCache variants: "off" | "on" ([hicache] config, enabled)
+    device_pool_frac: float | None = None  # KV pool = this fraction of the trace's working set
+    host_pool_frac: float = 0.5  # with tiers on and no host size configured: of the working set
 
 
 PLAN_MAX_TOKENS = 256
@@ -67,7 +78,8 @@ def replay_offline(engine: Engine, requests: list[TraceRequest], output_lens: li
             priority=tr.priority,
             prompt_tokens=req.num_prompt_tokens,
             output_tokens=req.num_output_tokens,
-            ttft_s=req.first_token_time - t0,
+            # NOTE: a request the engine ended unserved (a pool too small for it) has no first token
+            ttft_s=(req.first_token_time if req.first_token_time is not None else req.finish_time) - t0,
             e2e_s=req.finish_time - t0,
         )
         for tr, req in zip(requests, reqs, strict=True)
@@ -77,32 +89,42 @@ def replay_offline(engine: Engine, requests: list[TraceRequest], output_lens: li
 
 def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     """Every variant (and the baseline) on the same requests; returns the §6 JSON object."""
-    requests = load_trace(opts.trace, opts.limit)
+    requests = select_robots(load_trace(opts.trace, opts.limit), opts.robots)
     ckpt = load_checkpoint(opts.model)
     model = build_model(ckpt.config, ckpt.weights, dtype=opts.engine.torch_dtype)
+    base, working_set = _size_pools(opts, ckpt, requests, log)
     runs = {}
     for index in opts.indexes:
-        lengths = [opts.output_len] * len(requests)
-        # NOTE: the constrained run goes first: it sets the lengths the unconstrained one matches.
-        for fmt in sorted(opts.response_formats, key=lambda f: f == "none"):
-            engine = Engine(model, ckpt.tokenizer, dataclasses.replace(opts.engine, prefix_index=index))
-            constrained = RESPONSE_FORMATS[fmt] is not None
-            timings, wall = replay_offline(engine, requests, [PLAN_MAX_TOKENS] * len(requests) if constrained
-                                           else lengths, RESPONSE_FORMATS[fmt])
-            stats = engine.stats()
-            name = _variant_name(index, fmt, opts)
-            runs[name] = run_report(str(opts.trace), timings, wall, stats.prefix_hit_rate)
-            runs[name]["preemptions"] = stats.preemptions
-            if constrained:
-                lengths = [t.output_tokens for t in timings]
-                runs[name]["decode_steps_saved_frac"] = stats.forced_tokens / max(runs[name]["output_tokens"], 1)
-                runs[name]["grammar"] = {"compiles": stats.grammar_compiles, "cache_hits": stats.grammar_cache_hits,
-                                         "compile_s": stats.grammar_compile_s, "mask_s": stats.mask_s}
-            log(format_run(f"engine, {name}", runs[name]))
-            del engine
-    runs = {name: runs[name] for name in (_variant_name(i, f, opts) for i in opts.indexes
-                                          for f in opts.response_formats)}
+        for tiers in opts.tiers:
+            lengths = [opts.output_len] * len(requests)
+            # NOTE: the constrained run goes first: it sets the lengths the unconstrained one matches.
+            for fmt in sorted(opts.response_formats, key=lambda f: f == "none"):
+                name = _variant_name(index, fmt, tiers, opts)
+                with _tier_dir(base, tiers) as config:
+                    engine = Engine(model, ckpt.tokenizer, dataclasses.replace(config, prefix_index=index))
+                    constrained = RESPONSE_FORMATS[fmt] is not None
+                    timings, wall = replay_offline(engine, requests, [PLAN_MAX_TOKENS] * len(requests)
+                                                   if constrained else lengths, RESPONSE_FORMATS[fmt])
+                    stats = engine.stats()
+                    engine.close()
+                runs[name] = run_report(str(opts.trace), timings, wall, stats.prefix_hit_rate)
+                runs[name]["preemptions"] = stats.preemptions
+                runs[name]["kv_blocks"] = stats.blocks_total
+                if working_set:
+                    runs[name]["working_set_tokens"] = working_set
+                if stats.tiers is not None:
+                    runs[name]["tiers"] = stats.tiers.as_dict()
+                if constrained:
+                    lengths = [t.output_tokens for t in timings]
+                    runs[name]["decode_steps_saved_frac"] = stats.forced_tokens / max(runs[name]["output_tokens"], 1)
+                    runs[name]["grammar"] = {"compiles": stats.grammar_compiles, "cache_hits": stats.grammar_cache_hits,
+                                             "compile_s": stats.grammar_compile_s, "mask_s": stats.mask_s}
+                log(format_run(f"engine, {name}", runs[name]))
+                del engine
+    runs = {name: runs[name] for name in (_variant_name(i, f, t, opts) for i in opts.indexes
+                                          for t in opts.tiers for f in opts.response_formats)}
     _compare_formats(runs, opts, log)
+    _compare_tiers(runs, opts, log)
     result: dict = runs[opts.indexes[0]] if len(runs) == 1 else {"runs": runs}
     if opts.baseline == "hf":
         result["baseline"] = _hf_baseline(ckpt, requests, opts, log)
@@ -112,10 +134,88 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
     return result
 
 
-def _variant_name(index: str, fmt: str, opts: BenchOptions) -> str:
-    if len(opts.response_formats) == 1:
-        return index
-    return fmt if len(opts.indexes) == 1 else f"{index}/{fmt}"
+def select_robots(requests: list[TraceRequest], robots: int | None) -> list[TraceRequest]:
+    """The requests of the first ``robots`` robots to appear (each keeps its whole history, so
+    the subset keeps the trace's reuse structure); all of them when ``robots`` is None."""
+    if robots is None:
+        return requests
+    if robots < 1:
+        raise ValueError(f"--robots must be >= 1, got {robots}")
+    keep = set(list(dict.fromkeys(r.robot for r in requests))[:robots])
+    return [r for r in requests if r.robot in keep]
+
+
+def working_set_tokens(prompts: list[list[int]]) -> int:
+    """Tokens a prefix cache needs to hold every prompt at once: the size of their trie (in
+    sorted order each prompt adds what it does not share with its predecessor)."""
+    ordered = sorted(prompts)
+    return sum(len(p) - (common_prefix_len(p, q) if i else 0)
+               for i, (p, q) in enumerate(zip(ordered, [[]] + ordered[:-1], strict=True)))
+
+
+def _size_pools(opts: BenchOptions, ckpt: Checkpoint, requests: list[TraceRequest], log) -> tuple[EngineConfig, int]:
+    """The engine config with the KV pool (and a host tier not sized by the config) set as
+    fractions of the replayed requests' working set; the working set (0 if not computed)."""
+    config = opts.engine
+    if opts.device_pool_frac is None and "on" not in opts.tiers:
+        return config, 0
+    prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
+    ws = working_set_tokens(prompts)
+    if opts.device_pool_frac is not None:
+        if not 0 < opts.device_pool_frac <= 1:
+            raise ValueError(f"--device-pool-frac must be in (0, 1], got {opts.device_pool_frac}")
+        # NOTE: never below the longest request, which must fit the pool to run at all.
+        tokens = max(opts.device_pool_frac * ws, max(map(len, prompts)) + opts.output_len)
+        config = dataclasses.replace(config, num_blocks=math.ceil(tokens / config.block_size) + 1)
+    if config.hicache.host_pool_mb == HiCacheConfig().host_pool_mb:  # not configured: size it from the trace
+        per_token = 2 * ckpt.config.num_layers * ckpt.config.num_kv_heads * ckpt.config.head_dim * \
+            config.torch_dtype.itemsize
+        host_mb = max(opts.host_pool_frac * ws * per_token / 2**20, 1.0)
+        config = dataclasses.replace(config, hicache=dataclasses.replace(config.hicache, host_pool_mb=host_mb))
+    log(f"working set {ws:,} tokens: KV pool {config.num_blocks - 1:,} blocks of {config.block_size}"
+        f" ({(config.num_blocks - 1) * config.block_size / ws:.1%}), host tier {config.hicache.host_pool_mb:,.0f} MB")
+    return config, ws
+
+
+class _tier_dir:
+    """The config of one tiers variant; with tiers on and no ``disk_dir`` configured, a fresh
+    temporary disk tier that is removed afterwards."""
+
+    def __init__(self, config: EngineConfig, tiers: str) -> None:
+        self.config, self.tmp = config, None
+        hc = dataclasses.replace(config.hicache, enabled=tiers == "on")
+        if hc.enabled and not hc.disk_dir:
+            self.tmp = tempfile.mkdtemp(prefix="fleetserve-disk-tier-")
+            hc = dataclasses.replace(hc, disk_dir=self.tmp)
+        self.config = dataclasses.replace(config, hicache=hc)
+
+    def __enter__(self) -> EngineConfig:
+        return self.config
+
+    def __exit__(self, *exc) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _variant_name(index: str, fmt: str, tiers: str, opts: BenchOptions) -> str:
+    parts = [index] if len(opts.indexes) > 1 else []
+    parts += [fmt] if len(opts.response_formats) > 1 else []
+    parts += [f"tiers-{tiers}"] if len(opts.tiers) > 1 else []
+    return "/".join(parts) or index
+
+
+def _compare_tiers(runs: dict, opts: BenchOptions, log) -> None:
+    """With tiers off and on: the replay's speed-up (wall time off over on) and the reuse."""
+    if set(opts.tiers) != {"off", "on"}:
+        return
+    for index in opts.indexes:
+        for fmt in opts.response_formats:
+            off = runs[_variant_name(index, fmt, "off", opts)]
+            on = runs[_variant_name(index, fmt, "on", opts)]
+            on["vs_tiers_off"] = off["wall_s"] / on["wall_s"]
+            log(f"   tiers on: {on['vs_tiers_off']:.2f}x faster than tiers off ({on['wall_s']:.1f} s vs"
+                f" {off['wall_s']:.1f} s); prompt tokens reused {100 * on['prefix_hit_rate']:.1f}% vs"
+                f" {100 * off['prefix_hit_rate']:.1f}%")
 
 
 def _compare_formats(runs: dict, opts: BenchOptions, log) -> None:
@@ -123,7 +223,8 @@ def _compare_formats(runs: dict, opts: BenchOptions, log) -> None:
     if set(opts.response_formats) != {"none", "plan-schema"}:
         return
     for index in opts.indexes:
-        free, plan = runs[_variant_name(index, "none", opts)], runs[_variant_name(index, "plan-schema", opts)]
+        free = runs[_variant_name(index, "none", opts.tiers[0], opts)]
+        plan = runs[_variant_name(index, "plan-schema", opts.tiers[0], opts)]
         plan["vs_unconstrained"] = plan["output_tok_s"] / free["output_tok_s"]
         log(f"   plan-schema: {plan['vs_unconstrained']:.2f}x the unconstrained output tok/s, "
             f"{100 * plan['decode_steps_saved_frac']:.0f}% of decode steps saved by jump-forward")

@@ -80,6 +80,14 @@ def format_run(name: str, r: dict) -> str:
         f"   TTFT p50 {t['p50']:.2f}s p99 {t['p99']:.2f}s   TPOT p50 {1000 * p['p50']:.0f}ms"
         f" p99 {1000 * p['p99']:.0f}ms   e2e p50 {e['p50']:.2f}s p99 {e['p99']:.2f}s",
     ]
+    if "tiers" in r:
+        t = r["tiers"]
+        hits, moved = t["hit_tokens"], t["bytes_moved"]
+        lines.append(f"   tier hits: device {hits['device']:,} host {hits['host']:,} disk {hits['disk']:,} tokens"
+                     f"   loads {t['loads']} (mean {1000 * t['load_mean_s']:.1f} ms, {t['loads_skipped']} skipped,"
+                     f" {t['load_failures']} failed)   moved D>H {moved['device_to_host'] / 2**20:,.0f} MB"
+                     f" H>D {moved['host_to_device'] / 2**20:,.0f} MB H>disk {moved['host_to_disk'] / 2**20:,.0f} MB"
+                     f" disk>H {moved['disk_to_host'] / 2**20:,.0f} MB")
     if "ratio" in r:
         lines.append(f"   {r['ratio']:.2f}x the HF transformers baseline's output tok/s")
     return "\n".join(lines)

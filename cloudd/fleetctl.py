@@ -31,6 +31,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
+from shared.transport.curve import ClientCurve
 
 Snapshot = dict[str, Any]
 
@@ -169,6 +170,7 @@ def _summary_lines(snap: Snapshot) -> list[tuple[str, str]]:
         ("KV cache", f"{fmt(used)}/{fmt(total)} blocks ({fmt(kv_share, '.1%')})"
                      f" · {fmt(eng.get('kv_blocks_in_requests'))} in requests"
                      f" · prefix hits {fmt(eng.get('prefix_hit_rate'), '.1%')}"),
+        *_tier_lines(snap.get("tiers")),
         ("TTFT", fmt_p50_p99(lat.get("ttft_s"))),
         ("TPOT", fmt_p50_p99(lat.get("tpot_s"))),
         ("E2E", fmt_p50_p99(lat.get("e2e_s"))),
@@ -178,6 +180,21 @@ def _summary_lines(snap: Snapshot) -> list[tuple[str, str]]:
         ("deadlines", f"{fmt(tot.get('deadline'))} requests ended by their deadline"),
         ("output", f"{fmt(tot.get('output_tokens'), ',')} tokens"),
     ]
+
+
+def _tier_lines(tiers: dict | None) -> list[tuple[str, str]]:
+    """HiCache's line of the status panel: hits per tier, traffic, load latency (none when off)."""
+    if not tiers:
+        return []
+    hits, moved = tiers.get("hit_tokens") or {}, tiers.get("bytes_moved") or {}
+    mb = {k: fmt((v or 0) / 2**20, ",.0f") for k, v in moved.items()}
+    return [("KV tiers", f"hits device {fmt(hits.get('device'), ',')} · host {fmt(hits.get('host'), ',')}"
+                         f" · disk {fmt(hits.get('disk'), ',')} tokens · {fmt(tiers.get('loading'))} loading"
+                         f" · load {fmt_seconds(tiers.get('load_mean_s'))} avg"
+                         f" · host {fmt(tiers.get('host_pages_used'), ',')}/{fmt(tiers.get('host_pages_total'), ',')}"
+                         f" pages · disk {fmt(tiers.get('disk_pages'), ',')} pages"),
+            ("tier traffic", f"D→H {mb.get('device_to_host', '-')} MB · H→D {mb.get('host_to_device', '-')} MB"
+                             f" · H→disk {mb.get('host_to_disk', '-')} MB · disk→H {mb.get('disk_to_host', '-')} MB")]
 
 
 def status_panel(snap: Snapshot) -> RenderableType:
@@ -277,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"give up on a silent daemon after this long (default {DEFAULT_TIMEOUT_S:g})")
     common.add_argument("--json", action="store_true", help="print the snapshot's JSON instead")
+    common.add_argument("--server-key", metavar="FILE", help="cloudd's public key (.key), for a CURVE daemon")
+    common.add_argument("--key", metavar="FILE", help="this operator's key pair (.key_secret), authorized by cloudd")
     parser = argparse.ArgumentParser(prog="fleetctl", description="Watch a running cloudd.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{status,top,robots,requests}")
     commands.add_parser("status", parents=[common], help="model, throughput, engine, latency, totals")
@@ -294,10 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run one fleetctl command; 0 on success, 1 when the daemon does not answer or answers
     with an error (one line on stderr) or stdout is closed early, 130 when interrupted;
     argparse exits 2 on bad usage."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.server_key) != bool(args.key):
+        parser.error("--server-key and --key go together")
     view = VIEWS[args.command]
     try:
-        with FleetClient(args.endpoint, ClientConfig(timeout_s=args.timeout, retries=0)) as client:
+        curve = ClientCurve.from_files(args.server_key, args.key) if args.server_key else None
+        with FleetClient(args.endpoint, ClientConfig(timeout_s=args.timeout, retries=0, curve=curve)) as client:
             fetch = functools.partial(client.stats, args.timeout)
             if args.json:
                 print(json.dumps(view.json_part(fetch()), indent=2))
@@ -309,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"no answer from {args.endpoint} within {args.timeout:g} s — is cloudd running?")
     except RequestFailed as e:
         return _fail(f"{args.endpoint} answered with an error: {e}")
+    except (OSError, ValueError) as e:  # an unreadable or wrong CURVE key file
+        return _fail(f"CURVE keys: {e}")
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # stdout closed early (`fleetctl requests --json | head`)

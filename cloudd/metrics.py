@@ -59,7 +59,15 @@ class ServerMetrics:
                                     registry=r)
         self.forced_tokens = Counter("fleetserve_forced_tokens", "Tokens appended by jump-forward without a decode step",
                                      registry=r)
-        self._last: dict[Counter, float] = {}
+        self.tier_hit_tokens = Counter("fleetserve_kv_tier_hit_tokens", "Prompt tokens reused, by the KV tier they "
+                                       "came from (device, host, disk)", ("tier",), registry=r)
+        self.tier_bytes = Counter("fleetserve_kv_tier_bytes", "Bytes copied between KV tiers", ("direction",),
+                                  registry=r)
+        self.tier_load_seconds = Counter("fleetserve_kv_tier_load_seconds", "Summed waits for tier loads", registry=r)
+        self.tier_loads = Counter("fleetserve_kv_tier_loads", "Tier loads finished", registry=r)
+        self.tier_write_seconds = Counter("fleetserve_kv_tier_write_seconds", "Summed tier write (backup, spill) time",
+                                          registry=r)
+        self._last: dict[object, float] = {}
 
     def robot_label(self, robot_id: str) -> str:
         if robot_id in self._robots:
@@ -92,6 +100,17 @@ class ServerMetrics:
                                (self.grammar_cache_hits, s.grammar_cache_hits),
                                (self.grammar_compile_seconds, s.grammar_compile_s), (self.mask_seconds, s.mask_s),
                                (self.forced_tokens, s.forced_tokens)):
+            counter.inc(total - self._last.get(counter, 0))
+            self._last[counter] = total
+        if s.tiers is not None:
+            self._on_tiers(s.tiers)
+
+    def _on_tiers(self, t) -> None:
+        """Follow HiCache's cumulative counters (``EngineStats.tiers``)."""
+        pairs = [(self.tier_hit_tokens.labels(k), v) for k, v in t.hit_tokens.items()]
+        pairs += [(self.tier_bytes.labels(k), v) for k, v in t.bytes_moved.items()]
+        pairs += [(self.tier_load_seconds, t.load_s), (self.tier_loads, t.loads), (self.tier_write_seconds, t.write_s)]
+        for counter, total in pairs:
             counter.inc(total - self._last.get(counter, 0))
             self._last[counter] = total
 

@@ -9,6 +9,10 @@ snapshot it builds is plain data (msgpack-able), with this shape::
                 "kv_blocks_in_requests": int, "prefix_hit_rate": float, "prompt_tokens": int,
                 "cache_hit_tokens": int, "cached_tokens": int, "preemptions": int,
                 "deadline_misses": int, "steps": int},
+     "tiers": None | {"hit_tokens": {"device", "host", "disk"}, "bytes_moved": {"device_to_host",
+               "host_to_device", "host_to_disk", "disk_to_host"}, "loads", "loads_skipped",
+               "load_failures", "load_mean_s", "write_mean_s", "loading", "host_pages_used",
+               "host_pages_total", "disk_pages", ...},  # HiCache, when the KV tiers are on
      "grammar": {"awaiting": int, "compiles": int, "cache_hits": int, "compile_s": float,
                  "mask_s": float, "forced_tokens": int},
      "queue": {"<class>": {"waiting": int, "running": int}, ...},
@@ -171,6 +175,7 @@ class FleetMonitor:
                 "deadline_misses": engine.deadline_misses,
                 "steps": engine.steps,
             },
+            "tiers": None if engine.tiers is None else {**engine.tiers.as_dict(), "loading": engine.tier_loading},
             "grammar": {
                 "awaiting": engine.awaiting_grammar,
                 "compiles": engine.grammar_compiles,

@@ -25,7 +25,9 @@ from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import MaskBatch
 from shared.engine.grammar.response_format import grammar_spec
 from shared.engine.kv.block_pool import BlockPool
+from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hashed import HashedBlockIndex
+from shared.engine.kv.hicache import HiCache, TierStats
 from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixCache
 from shared.engine.kv.radix import RadixTree
@@ -85,6 +87,8 @@ class EngineStats:
     grammar_compile_s: float = 0.0
     mask_s: float = 0.0  # filling and applying grammar masks, all steps
     forced_tokens: int = 0  # output tokens from jump-forward drafts: decode steps saved
+    tier_loading: int = 0  # requests waiting for their prefix to load from the KV tiers
+    tiers: TierStats | None = None  # HiCache counters, when the tiers are on
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -114,14 +118,15 @@ class Engine:
             model.config.max_position_embeddings,
             (config.num_blocks - 1) * config.block_size,
         )
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.tiers = _make_tiers(config, self.pool, self.runner, lambda: self.scheduler.rate.seconds_per_token)
         self.scheduler = Scheduler(
             dataclasses.replace(config.scheduler, max_model_len=max_len),
-            KVCacheManager(self.pool, self.index),
+            KVCacheManager(self.pool, self.index, self.tiers),
             policy or FCFS(),
             eos,
             clock,
         )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None  # built on first use (0.2 s)
         self._masks = MaskBatch(model.config.vocab_size)
@@ -223,10 +228,15 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, sample, apply stop rules. Returns this step's deltas
         (buffered requests' deltas are also kept for ``stream``/``drain``)."""
+        self.scheduler.admit_loaded()
         ended = self.scheduler.expire() + self.scheduler.admit_compiled()
         deltas = [self._deliver(f.request, [], f.reason) for f in ended]
         out = self.scheduler.schedule()
         if out.is_empty:
+            if not out.preempted and not self.scheduler.running and self._tiers_busy:
+                # nothing to compute meanwhile; a load (or a backup holding blocks) will finish
+                self.scheduler.admit_loaded(timeout=0.005)
+                return deltas
             if not out.preempted and not self.scheduler.running and self.scheduler.awaiting_grammar:
                 pending = [r.grammar_pending for r in self.scheduler.awaiting_grammar]
                 concurrent.futures.wait(pending, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -315,13 +325,22 @@ class Engine:
     def _unblock(self) -> list[TokenDelta]:
         """Nothing could run although requests wait: the first in line cannot get its blocks
         even with everything else evicted (a tiny pool). End it with what it has (``length``)
-        rather than wait forever."""
-        if self.scheduler.running or not self.scheduler.waiting:
+        rather than wait forever. Never while the tiers hold blocks it could get by waiting."""
+        if self.scheduler.running or self._tiers_busy or not self.scheduler.waiting:
             return []
+        if any(r.tier_handle is not None for r in self.scheduler.waiting):
+            for r in self.scheduler.waiting:  # their loaded prefixes stay in the tiers
+                self.scheduler.kv.release_waiting(r)
+            return []  # the next step schedules with those blocks evictable
         now = self.clock()
         head = min(self.scheduler.waiting, key=lambda r: self.scheduler.policy.key(r, now))
         self.scheduler.finish(head, FinishReason.LENGTH)
         return [self._deliver(head, [], FinishReason.LENGTH)]
+
+    @property
+    def _tiers_busy(self) -> bool:
+        """Tier loads are in flight, or copies that may hold device blocks are queued."""
+        return bool(self.scheduler.loading) or (self.tiers is not None and self.tiers.copier.pending > 0)
 
     def stream(self, request_id: str) -> Iterator[TokenDelta]:
         """Yield ``request_id``'s deltas as they are produced, stepping the engine as needed.
@@ -354,6 +373,13 @@ class Engine:
             self._take(rid)
         return reqs
 
+    def close(self) -> None:
+        """Stop the tier copier (waiting for its queued copies) and free the host tier."""
+        if self.tiers is not None:
+            self.tiers.drain()
+            self.tiers.copier.close()
+            self.tiers = self.scheduler.kv.tiers = None
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         g = self._grammar.stats if self._grammar is not None else None
@@ -376,6 +402,8 @@ class Engine:
             grammar_compile_s=g.compile_seconds if g else 0.0,
             mask_s=self._masks.stats.fill_seconds + self._masks.stats.apply_seconds,
             forced_tokens=s.num_forced_tokens,
+            tier_loading=len(s.loading),
+            tiers=dataclasses.replace(self.tiers.snapshot()) if self.tiers is not None else None,
         )
 
     # --- internals -------------------------------------------------------------------------
@@ -428,6 +456,23 @@ class Engine:
         self._buffered.discard(request_id)
         self._detok.pop(request_id, None)
         self.sampler.forget(request_id)
+
+
+def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,
+                seconds_per_token: Callable[[], float]) -> HiCache | None:
+    """The host (and disk) tiers of ``config.hicache``, or None when they are off."""
+    from shared.engine.kv.tier_copier import TierCopier, page_bytes
+
+    hc = config.hicache
+    if not hc.enabled:
+        return None
+    size = page_bytes(runner.kv_caches)
+    num_host_pages = int(hc.host_pool_mb * 2**20) // size
+    if num_host_pages < 1:
+        raise ValueError(f"[hicache] host_pool_mb {hc.host_pool_mb} holds no page ({size} bytes each)")
+    disk = DiskTier(hc.disk_dir, int(hc.disk_max_mb * 2**20) // size) if hc.disk_dir else None
+    copier = TierCopier(runner.kv_caches, num_host_pages, disk)
+    return HiCache(hc, pool, copier, num_host_pages, disk, seconds_per_token)
 
 
 def _make_index(kind: str, pool: BlockPool) -> PrefixCache:

@@ -26,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     FINISHED = 2
     WAITING_FOR_GRAMMAR = 3  # its grammar is compiling on a worker; it is not queued yet
+    WAITING_FOR_TIER_LOAD = 4  # its prefix is being copied up from the host/disk tiers
 
 
 class FinishReason(enum.Enum):
@@ -63,6 +64,12 @@ class Request:
     grammar: GrammarState | None = None  # constrains every sampled token once compiled
     draft_token_ids: list[int] = field(default_factory=list)  # jump-forward: forced next tokens
     num_forced_tokens: int = 0  # output tokens that came from accepted drafts (no step of their own)
+    # HiCache (kv/hicache.py):
+    page_hashes: list[bytes] = field(default_factory=list)  # keys of its first full pages, a cache
+    num_backed_pages: int = 0  # write-through: pages already handed to the tiers
+    tier_load: object | None = None  # its LoadTicket while WAITING_FOR_TIER_LOAD
+    tier_handle: object | None = None  # locked radix node of loaded KV, until admitted
+    num_tier_loaded_tokens: int = 0  # of its next admission's match, tokens loaded from the tiers
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -49,6 +49,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+# Requests loading from the KV tiers, or loaded and not yet admitted, at once, and the share
+# of the pool's blocks they may hold beyond the first load: each holds device blocks, so many
+# of them could starve the running requests. A request past either bound waits for a slot.
+MAX_TIER_LOADS = 4
+MAX_TIER_LOAD_FRAC = 0.5
+
+
 @dataclass(frozen=True)
 class FinishedRequest:
     request: Request
@@ -74,6 +81,7 @@ class Scheduler:
         self.rate = ServiceRate()
         self.waiting: dict[Request, None] = {}  # in arrival order; the policy orders each step
         self.awaiting_grammar: dict[Request, None] = {}  # WAITING_FOR_GRAMMAR
+        self.loading: dict[Request, None] = {}  # WAITING_FOR_TIER_LOAD
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
         self.num_preemptions = 0
@@ -97,6 +105,7 @@ class Scheduler:
             self.awaiting_grammar[req] = None
         else:
             self.waiting[req] = None
+            self.kv.prefetch(req)
         self.requests[req.request_id] = req
         self.policy.on_add(req)
 
@@ -104,6 +113,10 @@ class Scheduler:
         """End ``req`` (running or waiting): cache what it computed and release its KV."""
         if req in self.waiting:
             del self.waiting[req]
+            self.kv.release_waiting(req)
+        elif req in self.loading:
+            del self.loading[req]
+            req.tier_load.cancelled = True  # its blocks go back when the copy is done
         elif req in self.awaiting_grammar:
             del self.awaiting_grammar[req]
         elif req.status == RequestStatus.RUNNING:
@@ -137,7 +150,21 @@ class Scheduler:
             req.grammar = GrammarState(future.result())
             req.status = RequestStatus.WAITING
             self.waiting[req] = None
+            self.kv.prefetch(req)
         return failed
+
+    def admit_loaded(self, timeout: float | None = None) -> None:
+        """Requeue the requests whose tier load finished (their loaded prefix now cached and
+        locked for them). With ``timeout``, wait that long for a load when none has finished."""
+        if self.kv.tiers is None:
+            return
+        for ticket in self.kv.tiers.poll(timeout):
+            self.kv.end_load(ticket)
+            req = ticket.request
+            if not ticket.cancelled:
+                del self.loading[req]
+                req.status = RequestStatus.WAITING
+                self.waiting[req] = None
 
     def first_token_eta(self, req: Request) -> float:
         """Seconds until ``req`` (not yet added) would get its first token: the prefill work
@@ -152,7 +179,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running) or bool(self.waiting) or bool(self.awaiting_grammar)
+        return bool(self.running) or bool(self.waiting) or bool(self.awaiting_grammar) or bool(self.loading)
 
     # --- one step ------------------------------------------------------------------------
 
@@ -238,11 +265,57 @@ class Scheduler:
             match = self.kv.match(req)
             if self._someone_computes_prefix(req, match.num_tokens, in_flight):
                 continue
+            if len(self.running) >= self.config.max_num_seqs:
+                return  # no seat: later requests must not overtake this one
+            loading = self._start_tier_load(req, match)
+            if loading is None and self._release_loaded(req):
+                match = self.kv.match(req)  # the failed attempt evicted: match afresh
+                loading = self._start_tier_load(req, match)
+            if loading is None:
+                return  # no memory for its load: later requests must not overtake it
+            if loading:
+                continue
             n = self._try_start(req, match, budget, out)
+            if n is None and self._release_loaded(req):
+                n = self._try_start(req, self.kv.match(req), budget, out)
             if n is None:
-                return  # no seat or memory: later requests must not overtake this one
+                return  # no memory: later requests must not overtake this one
             in_flight.append(req)
             budget -= n
+
+    def _release_loaded(self, head: Request) -> bool:
+        """``head`` found no memory: drop the locks that the other waiting requests hold on
+        their loaded prefixes (their pages stay in the tiers; they can load again). A loaded
+        request behind the head must not starve it. True if any lock was dropped."""
+        held = [r for r in self.waiting if r.tier_handle is not None and r is not head]
+        for r in held:
+            self.kv.release_waiting(r)
+        return bool(held)
+
+    def _start_tier_load(self, req: Request, match: PrefixMatch) -> bool | None:
+        """Move ``req`` to WAITING_FOR_TIER_LOAD when the tiers hold more of its prefix and the
+        cost model prefers loading it: True if it now waits (on its load, or for a load slot
+        while other loads hold ``MAX_TIER_LOADS`` slots or ``MAX_TIER_LOAD_FRAC`` of the pool),
+        False if it should start now, None if its load found no device memory. The first load
+        is always allowed, so a deferred request never waits on nothing."""
+        tiers = self.kv.tiers
+        if tiers is None or req.tier_handle is not None:
+            return False
+        hit = tiers.find(req, match.num_tokens)
+        if hit is None:
+            return False
+        loaded = [r for r in self.waiting if r.tier_handle is not None]
+        held = sum(len(r.tier_load.blocks) for r in self.loading) + sum(
+            -(-r.num_tier_loaded_tokens // self.kv.block_size) for r in loaded)
+        if held and (len(self.loading) + len(loaded) >= MAX_TIER_LOADS
+                     or held + len(hit.tiers) > self.kv.pool.num_blocks * MAX_TIER_LOAD_FRAC):
+            return True  # wait for a load slot: the loads in flight finish and are admitted first
+        if not self.kv.start_load(req, match, hit):
+            return None
+        del self.waiting[req]
+        self.loading[req] = None
+        req.status = RequestStatus.WAITING_FOR_TIER_LOAD
+        return True
 
     def _try_start(self, req: Request, match: PrefixMatch, budget: int, out: SchedulerOutput) -> int | None:
         """Admit ``req`` with its cached prefix ``match`` and schedule its first chunk (at most
@@ -315,7 +388,7 @@ class Scheduler:
                     req.num_computed_tokens += 1
                     req.num_forced_tokens += 1
                     self.num_forced_tokens += 1
-                reason = self._stop_reason(req, token)
+                reason = self._stop_reason(req, token, last=i == len(tokens) - 1)
                 if reason is not None:
                     self.finish(req, reason)  # caches what it computed
                     finished.append(FinishedRequest(req, reason))
@@ -324,11 +397,13 @@ class Scheduler:
                 self.kv.cache(req)  # others can reuse this prefix from the next step on
         return finished
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+    def _stop_reason(self, req: Request, token: int, last: bool = True) -> FinishReason | None:
+        """``last``: ``token`` is the last of this step's picks; the grammar has already
+        accepted them all, so its state speaks for the last one only."""
         sp = req.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if req.grammar is not None and req.grammar.finished:  # it accepted its stop token
+        if last and req.grammar is not None and req.grammar.finished:  # it accepted its stop token
             return FinishReason.STOP
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH

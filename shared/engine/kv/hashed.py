@@ -15,6 +15,7 @@ subtree, and insert stops at the first block it cannot cache.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +30,7 @@ NONE_HASH: BlockHash = b"\0" * 16  # parent hash of a sequence's first block
 
 def chain_hash(parent: BlockHash, block_tokens: tuple[int, ...]) -> BlockHash:
     """blake2b over the parent hash and the tokens (little-endian int64); stable across runs."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    for token in block_tokens:
-        h.update(token.to_bytes(8, "little", signed=True))
-    return h.digest()
+    return hashlib.blake2b(parent + struct.pack(f"<{len(block_tokens)}q", *block_tokens), digest_size=16).digest()
 
 
 @dataclass(slots=True, eq=False)

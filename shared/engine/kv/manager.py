@@ -18,10 +18,14 @@ when the radix tree records the earlier offsets under another request's block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.engine.kv.block_pool import BlockPool, slot_ids
 from shared.engine.kv.prefix_cache import PrefixCache, PrefixMatch
 from shared.engine.request import Request
+
+if TYPE_CHECKING:
+    from shared.engine.kv.hicache import HiCache, LoadTicket, TierHit
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,14 @@ class KVCacheManager:
     ``cache_handle`` from ``admit`` until ``free``; nothing else changes those fields.
     """
 
-    def __init__(self, pool: BlockPool, index: PrefixCache):
+    def __init__(self, pool: BlockPool, index: PrefixCache, tiers: HiCache | None = None):
         self.pool = pool
         self.index = index
         self.block_size = pool.block_size
+        self.tiers = tiers
+        if tiers is not None:
+            assert hasattr(index, "on_evict"), "HiCache needs the radix tree"
+            index.on_evict = self._on_evict
 
     def match(self, req: Request) -> PrefixMatch:
         """Longest cached prefix, leaving at least the newest token to compute (its logits)."""
@@ -60,10 +68,10 @@ class KVCacheManager:
         m = match.num_tokens
         shared = {k: match.slots[(k + 1) * bs - 1] // bs for k in range(m // bs)}
         num_blocks = -(-(m + num_new_tokens) // bs)
-        self.index.lock(match.handle)  # before evicting, so the match survives
-        if not self._ensure_free(num_blocks - len(shared)):
-            self.index.unlock(match.handle)
+        match = self._lock_with_room(req, match, num_blocks - len(shared))
+        if match is None:
             return None
+        self.release_waiting(req)  # the match now covers (and locks) what a tier load brought
         self.pool.incref(shared.values())
         fresh = iter(self.pool.allocate(num_blocks - len(shared)))
         table = [shared[k] if k in shared else next(fresh) for k in range(num_blocks)]
@@ -71,6 +79,9 @@ class KVCacheManager:
         req.block_table = table
         req.num_computed_tokens = req.num_cached_tokens = m
         req.cache_handle = match.handle
+        req.num_backed_pages = 0
+        if self.tiers is not None:
+            self.tiers.on_admit(req, m)
         return copies
 
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
@@ -93,6 +104,8 @@ class KVCacheManager:
         if req.cache_handle is not None:
             self.index.unlock(req.cache_handle)
         req.cache_handle = handle
+        if self.tiers is not None:
+            self.tiers.on_cached(req)
 
     def free(self, req: Request) -> None:
         """Cache what ``req`` computed, then drop its lock and block refs (finish, abort, preempt)."""
@@ -103,11 +116,89 @@ class KVCacheManager:
         req.block_table = []
         req.cache_handle = None
 
+    # --- HiCache loads ----------------------------------------------------------------------
+
+    def start_load(self, req: Request, match: PrefixMatch, hit: TierHit) -> bool:
+        """Lock ``match`` and queue the copy of ``hit``'s pages into fresh blocks; the request
+        holds them in ``req.tier_load`` until `end_load`. False (nothing changed) when the pool
+        cannot supply the blocks even after eviction."""
+        from shared.engine.kv.hicache import LoadTicket
+
+        assert self.tiers is not None and req.tier_load is None and req.tier_handle is None
+        match = self._lock_with_room(req, match, len(hit.tiers))
+        if match is None:
+            return False
+        ticket = LoadTicket(req, match, hit, self.pool.allocate(len(hit.tiers)))
+        req.tier_load = ticket
+        self.tiers.start_load(ticket)
+        return True
+
+    def end_load(self, ticket: LoadTicket) -> None:
+        """A load finished: cache what landed in the index and keep it locked for the request
+        (``req.tier_handle``) until `admit`; drop the ticket's own refs and lock.
+
+        # | device match (tree's slots) | loaded pages (the ticket's blocks) |
+        # 0                             m                                    num_ok_tokens
+        """
+        req, match, bs = ticket.request, ticket.match, self.block_size
+        req.tier_load = None
+        end = ticket.num_ok_tokens
+        if not ticket.cancelled and end > match.num_tokens:
+            first = ticket.hit.start_page
+            new = [ticket.blocks[p // bs - first] * bs + p % bs for p in range(match.num_tokens, end)]
+            handle = self.index.insert(req.token_ids_between(0, end), list(match.slots) + new)
+            self.index.lock(handle)
+            req.tier_handle = handle
+        self.index.unlock(match.handle)
+        self.pool.decref(ticket.blocks)
+
+    def release_waiting(self, req: Request) -> None:
+        """Drop the lock a waiting request holds on its loaded prefix (admitted or ended)."""
+        if req.tier_handle is not None:
+            self.index.unlock(req.tier_handle)
+            req.tier_handle = None
+
+    def prefetch(self, req: Request) -> None:
+        if self.tiers is not None:
+            self.tiers.prefetch(req, self.match(req).num_tokens)
+
+    def _on_evict(self, leaf) -> None:
+        """Radix eviction hook: hand the tiers the full pages whose last token ``leaf`` holds."""
+        bs = self.block_size
+        path = self.index.path_tokens(leaf)
+        depth = len(path) - len(leaf.token_ids)
+        owned = [(k, leaf.slots[(k + 1) * bs - 1 - depth] // bs) for k in range(depth // bs, len(path) // bs)]
+        self.tiers.on_device_evict(path, owned)
+
     def _copy_into(self, block: int, k: int, match: PrefixMatch) -> SlotCopy:
         """Copy the matched tokens of logical block ``k`` into physical ``block``."""
         bs = self.block_size
         src = match.slots[k * bs : min(match.num_tokens, (k + 1) * bs)]
         return SlotCopy(src=tuple(src), dst=tuple(block * bs + off for off in range(len(src))))
+
+    def _lock_with_room(self, req: Request, match: PrefixMatch, num_blocks: int) -> PrefixMatch | None:
+        """Lock ``match`` (before evicting, so it survives) and make ``num_blocks`` blocks free.
+        Returns the locked match (its handle possibly narrowed), or None with nothing locked."""
+        self.index.lock(match.handle)
+        if self._ensure_free(num_blocks):
+            return match
+        self.index.unlock(match.handle)
+        match = self._narrow(req, match)
+        self.index.lock(match.handle)
+        if self._ensure_free(num_blocks):
+            return match
+        self.index.unlock(match.handle)
+        return None
+
+    def _narrow(self, req: Request, match: PrefixMatch) -> PrefixMatch:
+        """``match`` with a handle that ends exactly at its last token. A radix match may end
+        inside a long cached edge, and locking it pins the whole edge: blocks past the match
+        that a request alone in a small pool needs. Inserting the matched tokens splits the
+        edge there (the tail becomes evictable); their slots are already cached, so no copy."""
+        if match.num_tokens == 0:
+            return match
+        handle = self.index.insert(req.token_ids_between(0, match.num_tokens), match.slots)
+        return PrefixMatch(match.num_tokens, match.slots, handle)
 
     def _ensure_free(self, num_blocks: int) -> bool:
         shortfall = num_blocks - self.pool.num_free
@@ -120,6 +211,10 @@ class KVCacheManager:
         (pass every live request): a leaked or missing ref fails here (tests call this)."""
         self.index.check_integrity()
         expected = self.index.block_refs()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+            for b, n in self.tiers.block_refs().items():
+                expected[b] = expected.get(b, 0) + n
         for req in requests:
             for b in req.block_table:
                 expected[b] = expected.get(b, 0) + 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.kv.block_pool import NULL_BLOCK, BlockPool
@@ -76,6 +76,9 @@ class RadixTree:
         self._num_cached_tokens = 0
         self._num_nodes = 0
         self._clock = 0
+        # Called with each leaf about to be evicted, while its blocks are still held (HiCache
+        # write-back copies them down here).
+        self.on_evict: Callable[[TreeNode], None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -183,6 +186,14 @@ class RadixTree:
             raise ValueError("sequence is not pinned")
         node.pin_count -= 1
         self._update_leaf_status(node)
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        """The whole sequence from the root to the end of ``node``'s edge."""
+        edges = []
+        while node is not None:
+            edges.append(node.token_ids)
+            node = node.parent
+        return [t for edge in reversed(edges) for t in edge]
 
     # ---- integrity -----------------------------------------------------------------------
 
@@ -327,6 +338,8 @@ class RadixTree:
         assert self._is_evictable(leaf)
         parent = leaf.parent
         assert parent is not None
+        if self.on_evict is not None:
+            self.on_evict(leaf)
         self.evictable_leaves.discard(leaf)
         del parent.children[leaf.token_ids[0]]
         leaf.parent = None

@@ -1,0 +1,387 @@
+"""HiCache: the host and disk tiers below the device KV pool, and the policies that fill them.
+
+Keys: every full KV block of a sequence is a *page* keyed by its chained hash
+(`page_hash`), so the tiers below the device are content-addressed: identical pages are kept
+once, and a match continues from the radix tree's device match into the tiers page by page::
+
+    | device (radix tree, token-exact) | host pages | disk pages | not cached |
+    0                                  m            (page-aligned)          num_tokens
+
+Write policies: ``write_through`` backs up each page when a request's KV is cached,
+``write_through_selective`` when a page has been hit ``write_through_threshold`` times,
+``write_back`` only when the radix tree evicts it from the device. A full host pool evicts its
+least recently used unlocked page, spilling it to disk first when there is a disk tier.
+
+Loads: the scheduler asks `find` for the tiers' extension of a request's device match; the
+cost model may decline it (recompute instead). `start_load` queues the copy into fresh device
+blocks; `poll` returns finished loads. All bookkeeping is on the engine thread; the copies run
+on the `TierCopier` worker, which holds no bookkeeping. Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.engine.kv.block_pool import BlockPool
+from shared.engine.kv.cost_model import LoadCostModel
+from shared.engine.kv.disk_tier import DiskTier
+from shared.engine.kv.hicache_config import HiCacheConfig
+from shared.engine.kv.host_pool import HostPagePool
+from shared.engine.kv.prefix_cache import PrefixMatch
+from shared.engine.kv.page_hash import extend_page_hashes, page_hashes
+from shared.engine.kv.tier_ops import Backup, DeleteFiles, Load, OpDone, Prefetch, Spill, Tier, TierOp
+from shared.engine.request import Request
+
+PageHash = bytes
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """Pages [start_page, start_page + len(tiers)) of a request, found below the device."""
+
+    device_tokens: int  # the device match it extends
+    start_page: int  # = device_tokens // page_size: the page holding the first missing token
+    tiers: tuple[Tier, ...]  # HOST or DISK, per page
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        """The match length once loaded (page-aligned)."""
+        return (self.start_page + len(self.tiers)) * self.page_size
+
+
+@dataclass(eq=False)
+class LoadTicket:
+    """A request's load in flight: it holds ``blocks`` (one pool ref each) and a lock on the
+    device match ``handle`` until `KVCacheManager.end_load`."""
+
+    request: Request
+    match: PrefixMatch  # the device match it extends (its handle is locked)
+    hit: TierHit
+    blocks: list[int]
+    op: Load | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # the request ended meanwhile
+
+    @property
+    def num_ok_tokens(self) -> int:
+        """The match length the load achieved (the device match if nothing landed)."""
+        if self.op is None or self.op.num_ok == 0:
+            return self.hit.device_tokens
+        return (self.hit.start_page + self.op.num_ok) * self.hit.page_size
+
+
+@dataclass
+class TierStats:
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    bytes_moved: dict[str, int] = field(default_factory=lambda: {
+        "device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0})
+    loads: int = 0
+    loads_skipped: int = 0  # the cost model chose to recompute
+    load_failures: int = 0  # pages that were missing, torn or corrupt (read as misses)
+    load_s: float = 0.0  # summed request waits, submit to completion
+    write_ops: int = 0
+    write_s: float = 0.0  # summed worker time of backups and spills
+    host_pages_used: int = 0
+    host_pages_total: int = 0
+    disk_pages: int = 0
+
+    def as_dict(self) -> dict:
+        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+        d["load_mean_s"] = self.load_s / self.loads if self.loads else 0.0
+        d["write_mean_s"] = self.write_s / self.write_ops if self.write_ops else 0.0
+        return d
+
+
+class HiCache:
+    """The tiers' bookkeeping and policies; ``copier`` executes the ops it queues."""
+
+    def __init__(self, config: HiCacheConfig, pool: BlockPool, copier, num_host_pages: int,
+                 disk: DiskTier | None, seconds_per_token: Callable[[], float]) -> None:
+        self.config = config
+        self.pool = pool
+        self.page_size = pool.block_size
+        self.copier = copier
+        self.host = HostPagePool(num_host_pages)
+        self.disk = disk
+        self.cost = LoadCostModel(config.min_load_tokens, copier.page_bytes, self.page_size, seconds_per_token)
+        self.stats = TierStats(host_pages_total=num_host_pages)
+        self._loads: dict[int, LoadTicket] = {}  # by id(op)
+        self._held_blocks: dict[int, list[int]] = {}  # by id(op): blocks ref'd by backups in flight
+        self._hits: OrderedDict[PageHash, int] = OrderedDict()  # write_through_selective counts
+
+    # --- keys ------------------------------------------------------------------------------
+
+    def hashes(self, req: Request, num_pages: int) -> list[PageHash]:
+        """The keys of ``req``'s first ``num_pages`` pages (cached on the request)."""
+        if len(req.page_hashes) < num_pages:
+            extend_page_hashes(req.page_hashes, req.token_ids_between, num_pages, self.page_size)
+        return req.page_hashes[:num_pages]
+
+    def where(self, page_hash: PageHash) -> Tier | None:
+        if page_hash in self.host:
+            return Tier.HOST
+        if self.disk is not None and page_hash in self.disk:
+            return Tier.DISK
+        return None
+
+    # --- loads -----------------------------------------------------------------------------
+
+    def find(self, req: Request, device_tokens: int) -> TierHit | None:
+        """The tiers' continuation of a device match of ``device_tokens`` tokens, leaving the
+        newest token to compute; None on a miss or when the cost model prefers recomputing."""
+        ps = self.page_size
+        start, end = device_tokens // ps, (req.num_tokens - 1) // ps
+        if end <= start:
+            return None
+        tiers = []
+        for page_hash in self.hashes(req, end)[start:]:
+            tier = self.where(page_hash)
+            if tier is None:
+                break
+            tiers.append(tier)
+        if not tiers:
+            return None
+        hit = TierHit(device_tokens, start, tuple(tiers), ps)
+        num_disk = tiers.count(Tier.DISK)
+        if not self.cost.worth_loading(hit.num_tokens - device_tokens, len(tiers) - num_disk, num_disk):
+            self.stats.loads_skipped += 1
+            return None
+        return hit
+
+    def start_load(self, ticket: LoadTicket) -> None:
+        """Queue the copy of ``ticket.hit``'s pages into ``ticket.blocks`` (one per page). A
+        disk page that finds no host page cuts the load short there."""
+        hit, req = ticket.hit, ticket.request
+        hashes = self.hashes(req, hit.start_page + len(hit.tiers))[hit.start_page:]
+        pages, from_disk = [], []
+        for page_hash in hashes:
+            page = self.host.lookup(page_hash)
+            on_disk_only = page is None
+            if on_disk_only:  # read it through a host page (which keeps it: a promotion)
+                page = self._allocate_host(page_hash)
+                if page is None:
+                    break
+            self.host.lock(page)
+            pages.append(page)
+            from_disk.append(on_disk_only)
+        ticket.op = Load(req.request_id, ticket.blocks[: len(pages)], pages, hashes[: len(pages)], from_disk)
+        self._loads[id(ticket.op)] = ticket
+        self.copier.submit(ticket.op)
+
+    def poll(self, timeout: float | None = None) -> list[LoadTicket]:
+        """Collect finished ops; returns the finished loads (cancelled ones too: the caller
+        releases every ticket with `KVCacheManager.end_load`)."""
+        finished = []
+        for done in self.copier.completed(timeout):
+            ticket = self._complete(done)
+            if ticket is not None:
+                finished.append(ticket)
+        return finished
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def _complete(self, done: OpDone) -> LoadTicket | None:
+        op, s = done.op, self.stats
+        if isinstance(op, Backup):
+            self.pool.decref(self._held_blocks.pop(id(op)))
+            self._unlock(op.pages)
+            s.write_ops += 1
+            s.write_s += done.seconds
+            s.bytes_moved["device_to_host"] += len(op.pages) * self.copier.page_bytes
+        elif isinstance(op, Spill):
+            self._unlock(op.pages)
+            s.write_ops += 1
+            s.write_s += done.seconds
+            s.bytes_moved["host_to_disk"] += len(op.pages) * self.copier.page_bytes
+        elif isinstance(op, Prefetch):
+            self._unlock(op.pages)
+            for page_hash, ok in zip(op.hashes, op.ok, strict=True):
+                if ok:
+                    s.bytes_moved["disk_to_host"] += self.copier.page_bytes
+                else:
+                    self._forget(page_hash)
+        elif isinstance(op, Load):
+            return self._complete_load(self._loads.pop(id(op)), done)
+        return None
+
+    def _complete_load(self, ticket: LoadTicket, done: OpDone) -> LoadTicket:
+        op, s, pb = ticket.op, self.stats, self.copier.page_bytes
+        self._unlock(op.pages)
+        num_disk = sum(op.from_disk[: op.num_ok])
+        s.bytes_moved["disk_to_host"] += num_disk * pb
+        s.bytes_moved["host_to_device"] += op.num_ok * pb
+        self.cost.observe(Tier.HOST, op.num_ok * pb, done.seconds)
+        if op.num_ok < len(op.hashes):  # the first unsound page: a miss from there on
+            s.load_failures += 1
+            self._forget(op.hashes[op.num_ok])
+        s.loads += 1
+        s.load_s += time.perf_counter() - ticket.submitted_at
+        if not ticket.cancelled and op.num_ok:
+            hit = ticket.hit
+            for i in range(op.num_ok):
+                gained = self.page_size - (hit.device_tokens % self.page_size if i == 0 else 0)
+                s.hit_tokens["disk" if op.from_disk[i] else "host"] += gained
+            ticket.request.num_tier_loaded_tokens += ticket.num_ok_tokens - hit.device_tokens
+        return ticket
+
+    # --- writes ----------------------------------------------------------------------------
+
+    def on_admit(self, req: Request, match_tokens: int) -> None:
+        """Count the admission's device hits; under write_through_selective, back up the
+        matched pages that reached the hit threshold. Call after `admit` set the block table."""
+        if req.num_preemptions == 0:
+            self.stats.hit_tokens["device"] += max(match_tokens - req.num_tier_loaded_tokens, 0)
+        req.num_tier_loaded_tokens = 0
+        if self.config.write_policy != "write_through_selective":
+            return
+        due = []
+        for k, page_hash in enumerate(self.hashes(req, match_tokens // self.page_size)):
+            count = self._hits.pop(page_hash, 0) + 1
+            self._hits[page_hash] = count  # most recent last
+            if count >= self.config.write_through_threshold:
+                due.append(k)
+        while len(self._hits) > 4 * self.pool.num_blocks:
+            self._hits.popitem(last=False)
+        self._back_up(req, due)
+
+    def on_cached(self, req: Request) -> None:
+        """Under write_through, back up the pages ``req`` computed since the last call."""
+        if self.config.write_policy != "write_through":
+            return
+        num_pages = req.num_computed_tokens // self.page_size
+        first = req.num_backed_pages
+        req.num_backed_pages = max(first, num_pages)
+        self._back_up(req, range(first, num_pages))
+
+    def _back_up(self, req: Request, page_ids) -> None:
+        """Queue one Backup of ``req``'s pages ``page_ids`` that no tier holds yet."""
+        blocks, pages, hashes = [], [], []
+        keys = self.hashes(req, max(page_ids, default=-1) + 1)
+        for k in page_ids:
+            page_hash = keys[k]
+            if self.where(page_hash) is not None:
+                self.host.lookup(page_hash)
+                continue
+            page = self._allocate_host(page_hash)
+            if page is None:
+                break
+            self.host.lock(page)
+            blocks.append(req.block_table[k])
+            pages.append(page)
+            hashes.append(page_hash)
+        if pages:
+            op = Backup(blocks, pages, hashes)
+            self.pool.incref(blocks)  # the blocks must not be reused before the copy ran
+            self._held_blocks[id(op)] = blocks
+            self.copier.submit(op)
+
+    def on_device_evict(self, path_tokens: list[int], owned: list[tuple[int, int]]) -> None:
+        """Under write_back, copy the pages the radix tree is evicting to the host, now.
+
+        ``owned``: (page index, device block) of each full page whose last token the evicted
+        node held. The copy runs before the blocks can be reused (after queued ops)."""
+        if self.config.write_policy != "write_back" or not owned:
+            return
+        keys = page_hashes(path_tokens[: (owned[-1][0] + 1) * self.page_size], self.page_size)
+        blocks, pages, hashes = [], [], []
+        for k, block in owned:
+            if self.where(keys[k]) is not None:
+                continue
+            page = self._allocate_host(keys[k])
+            if page is None:
+                break
+            blocks.append(block)
+            pages.append(page)
+            hashes.append(keys[k])
+        if pages:
+            done = self.copier.run_now(Backup(blocks, pages, hashes))
+            self.stats.write_ops += 1
+            self.stats.write_s += done.seconds
+            self.stats.bytes_moved["device_to_host"] += len(pages) * self.copier.page_bytes
+
+    def prefetch(self, req: Request, device_tokens: int) -> None:
+        """Disk -> host for the pages of ``req`` past its device match that only the disk
+        holds, while the host has free pages (a queued request must not evict hot pages)."""
+        if self.disk is None or not self.config.prefetch:
+            return
+        ps = self.page_size
+        start, end = device_tokens // ps, (req.num_tokens - 1) // ps
+        pages, hashes = [], []
+        for page_hash in self.hashes(req, max(end, 0))[start:]:
+            tier = self.where(page_hash)
+            if tier is None:
+                break
+            if tier == Tier.HOST:
+                continue
+            alloc = self.host.allocate(page_hash, evict=False)
+            if alloc is None:
+                break
+            self.host.lock(alloc.page)
+            pages.append(alloc.page)
+            hashes.append(page_hash)
+        if pages:
+            self._submit(Prefetch(pages, hashes))
+
+    # --- host pool -------------------------------------------------------------------------
+
+    def _allocate_host(self, page_hash: PageHash) -> int | None:
+        """A host page keyed by ``page_hash``; a displaced page is spilled to disk first."""
+        alloc = self.host.allocate(page_hash)
+        if alloc is None:
+            return None
+        if alloc.evicted is not None and self.disk is not None and alloc.evicted not in self.disk:
+            self.host.lock(alloc.page)
+            dropped = self.disk.add(alloc.evicted)
+            self._submit(Spill([alloc.page], [alloc.evicted]))
+            if dropped:
+                self._submit(DeleteFiles(dropped))
+        return alloc.page
+
+    def _forget(self, page_hash: PageHash) -> None:
+        """A page read as missing or torn: no tier claims it any more."""
+        self.host.discard(page_hash)
+        if self.disk is not None:
+            self.disk.discard(page_hash)
+
+    def _unlock(self, pages: list[int]) -> None:
+        for page in pages:
+            self.host.unlock(page)
+
+    def _submit(self, op: TierOp) -> None:
+        self.copier.submit(op)
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def snapshot(self) -> TierStats:
+        s = self.stats
+        s.host_pages_used = self.host.num_used
+        s.disk_pages = len(self.disk) if self.disk is not None else 0
+        return s
+
+    def block_refs(self) -> dict[int, int]:
+        """Pool refs held by backups and loads in flight, per block."""
+        refs: dict[int, int] = {}
+        for blocks in [*self._held_blocks.values(), *(t.blocks for t in self._loads.values())]:
+            for b in blocks:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def drain(self) -> list[LoadTicket]:
+        """Wait for every queued op (tests, shutdown); returns the loads that finished."""
+        finished = []
+        while self.copier.pending:
+            finished += self.poll(timeout=1.0)
+        return finished
+
+    def check_integrity(self) -> None:
+        self.host.check_integrity()
+        if self.copier.pending == 0 and (self._loads or self._held_blocks):
+            raise AssertionError("ops recorded in flight but the copier is idle")
+        if self.copier.pending == 0 and any(self.host.is_locked(p) for p in range(self.host.num_pages)):
+            raise AssertionError("a host page is locked with no op in flight")

@@ -1,0 +1,172 @@
+"""Runs HiCache's copy ops on one worker thread: device <-> host pages <-> disk files.
+
+The host tier is one tensor ``host  # [pages, layers, 2 (K/V), block_size, kv_heads, head_dim]``
+(pinned on a CUDA machine, so copies are asynchronous DMA). A page is one device KV block of
+every layer. On a GPU, device<->host copies run on a side stream that the worker synchronizes
+before reporting the op done; on a CPU they are plain copies on the worker thread. Either way
+the engine thread never waits for a copy: it polls ``completed()`` once per step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from shared.engine.kv.disk_tier import DiskTier
+from shared.engine.kv.tier_ops import Backup, DeleteFiles, Load, OpDone, Prefetch, Spill, TierOp
+from shared.model.llama import KVCache
+
+_STOP = object()
+
+
+def page_bytes(kv_caches: list[KVCache]) -> int:
+    """Bytes of one page: one block of K and V in every layer."""
+    k = kv_caches[0][0]
+    return 2 * len(kv_caches) * k[0].numel() * k.element_size()
+
+
+class TierCopier:
+    """Owns the host tensor and the worker. ``submit`` queues; ``completed`` collects."""
+
+    def __init__(self, kv_caches: list[KVCache], num_host_pages: int, disk: DiskTier | None) -> None:
+        k0 = kv_caches[0][0]  # [num_blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = kv_caches
+        self.disk = disk
+        self.page_bytes = page_bytes(kv_caches)
+        pin = k0.is_cuda
+        self.host = torch.zeros((num_host_pages, len(kv_caches), 2, *k0.shape[1:]), dtype=k0.dtype,
+                                pin_memory=pin)
+        self._valid = bytearray(num_host_pages)  # worker-only: the page holds the data keyed to it
+        self._stream = torch.cuda.Stream(device=k0.device) if k0.is_cuda else None
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # submitted and not yet collected (engine thread)
+        self._queued = 0  # submitted and not yet run (guarded by _cv)
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="hicache-copier", daemon=True)
+        self._thread.start()
+
+    # --- engine thread -------------------------------------------------------------------
+
+    def submit(self, op: TierOp) -> None:
+        self._pending += 1
+        with self._cv:
+            self._queued += 1
+        self._todo.put(op)
+
+    def completed(self, timeout: float | None = None) -> list[OpDone]:
+        """Ops finished since the last call, in submission order. With ``timeout``, wait that
+        long for the first one when none has finished yet."""
+        done = []
+        try:
+            if timeout is not None and self._pending:
+                done.append(self._done.get(timeout=timeout))
+            while True:
+                done.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self._pending -= len(done)
+        return done
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def run_now(self, op: TierOp) -> OpDone:
+        """Run ``op`` on the calling thread once every queued op has run (write-back at device
+        eviction: the block is reused right after, so its copy cannot wait in the queue)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._queued == 0)
+        return self._run(op)
+
+    def close(self) -> None:
+        self._todo.put(_STOP)
+        self._thread.join(timeout=10)
+
+    # --- worker ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (op := self._todo.get()) is not _STOP:
+            self._done.put(self._run(op))
+            with self._cv:
+                self._queued -= 1
+                self._cv.notify_all()
+
+    def _run(self, op: TierOp) -> OpDone:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            if isinstance(op, Backup):
+                self._backup(op)
+            elif isinstance(op, Spill):
+                self._spill(op)
+            elif isinstance(op, Prefetch):
+                op.ok = [self._read_page(h, p) for h, p in zip(op.hashes, op.pages, strict=True)]
+            elif isinstance(op, Load):
+                self._load(op)
+            elif isinstance(op, DeleteFiles):
+                for h in op.hashes:
+                    self.disk.delete_file(h)
+        return OpDone(op, time.perf_counter() - start)
+
+    def _backup(self, op: Backup) -> None:
+        blocks = torch.tensor(op.blocks, dtype=torch.int64, device=self.kv_caches[0][0].device)
+        pages = torch.tensor(op.pages, dtype=torch.int64)
+        with self._on_side_stream():
+            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+                self.host[pages, layer, 0] = k_cache.index_select(0, blocks).to("cpu", non_blocking=True)
+                self.host[pages, layer, 1] = v_cache.index_select(0, blocks).to("cpu", non_blocking=True)
+        for p in op.pages:
+            self._valid[p] = 1
+
+    def _spill(self, op: Spill) -> None:
+        for page, page_hash in zip(op.pages, op.hashes, strict=True):
+            if self._valid[page]:
+                self.disk.write_file(page_hash, self.host[page].view(-1).view(torch.uint8).numpy().data)
+
+    def _read_page(self, page_hash: bytes, page: int) -> bool:
+        payload = self.disk.read_file(page_hash, self.page_bytes) if self.disk is not None else None
+        self._valid[page] = payload is not None
+        if payload is not None:
+            self.host[page].view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        return payload is not None
+
+    def _load(self, op: Load) -> None:
+        n = 0
+        for page, page_hash, from_disk in zip(op.pages, op.hashes, op.from_disk, strict=True):
+            if not (self._read_page(page_hash, page) if from_disk else self._valid[page]):
+                break
+            n += 1
+        op.num_ok = n
+        if n == 0:
+            return
+        dev = self.kv_caches[0][0].device
+        blocks = torch.tensor(op.blocks[:n], dtype=torch.int64, device=dev)
+        pages = torch.tensor(op.pages[:n], dtype=torch.int64)
+        with self._on_side_stream():
+            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+                k_cache.index_copy_(0, blocks, self.host[pages, layer, 0].to(dev, non_blocking=True))
+                v_cache.index_copy_(0, blocks, self.host[pages, layer, 1].to(dev, non_blocking=True))
+
+    def _on_side_stream(self):
+        """A context that runs copies on the side stream and waits for them on exit (GPU)."""
+        return _SideStream(self._stream)
+
+
+class _SideStream:
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self._ctx = None
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._ctx = torch.cuda.stream(self.stream)
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            self._ctx.__exit__(*exc)
+            self.stream.synchronize()

@@ -1,0 +1,115 @@
+"""Host pool against a naive LRU, disk tier crash safety, config errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.engine.engine_config import EngineConfig
+from shared.engine.kv.disk_tier import DiskTier
+from shared.engine.kv.hicache_config import HiCacheConfig
+from shared.engine.kv.host_pool import HostPagePool
+
+PAYLOAD = bytes(range(256)) * 4
+
+
+def test_disk_round_trip_and_restart(tmp_path):
+    disk = DiskTier(tmp_path)
+    disk.add(b"a" * 16)
+    disk.write_file(b"a" * 16, PAYLOAD)
+    assert disk.read_file(b"a" * 16, len(PAYLOAD)) == PAYLOAD
+    (tmp_path / "61" / "junk.kv.tmp").write_bytes(b"half")  # a crash mid-write leaves this
+    restarted = DiskTier(tmp_path)
+    assert b"a" * 16 in restarted and len(restarted) == 1
+    assert not (tmp_path / "61" / "junk.kv.tmp").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_torn_write_reads_as_miss_and_is_deleted(tmp_path, damage):
+    disk = DiskTier(tmp_path)
+    key = b"k" * 16
+    disk.write_file(key, PAYLOAD)
+    path = disk.path_of(key)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "flip":
+        data[-1] ^= 0xFF
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert disk.read_file(key, len(PAYLOAD)) is None
+    assert not path.exists()
+
+
+def test_disk_keeps_max_pages_lru(tmp_path):
+    disk = DiskTier(tmp_path, max_pages=2)
+    assert disk.add(b"1" * 16) == [] and disk.add(b"2" * 16) == []
+    disk.touch(b"1" * 16)
+    assert disk.add(b"3" * 16) == [b"2" * 16]
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "lookup", "lock", "unlock", "discard"]), st.integers(0, 7)),
+               max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(num_pages=st.integers(1, 4), ops=ops)
+def test_host_pool_matches_naive_lru(num_pages, ops):
+    pool = HostPagePool(num_pages)
+    lru: list[bytes] = []  # naive reference: keys, oldest first
+    locked: dict[bytes, int] = {}  # locks by key while keyed
+    page_of: dict[bytes, int] = {}
+    for op, i in ops:
+        key = bytes([i]) * 16
+        if op == "alloc" and key not in lru:
+            victims = [k for k in lru if not locked.get(k)]
+            alloc = pool.allocate(key)
+            if len(page_of) + sum(1 for p in pool._orphans) < num_pages:
+                assert alloc is not None and alloc.evicted is None
+            elif victims:
+                assert alloc is not None and alloc.evicted == victims[0]
+                lru.remove(victims[0])
+                page_of.pop(victims[0])
+            else:
+                assert alloc is None
+            if alloc is not None:
+                lru.append(key)
+                page_of[key] = alloc.page
+        elif op == "lookup":
+            assert pool.lookup(key) == page_of.get(key)
+            if key in lru:
+                lru.remove(key)
+                lru.append(key)
+        elif op == "lock" and key in page_of:
+            pool.lock(page_of[key])
+            locked[key] = locked.get(key, 0) + 1
+        elif op == "unlock" and locked.get(key):
+            pool.unlock(page_of[key])
+            locked[key] -= 1
+        elif op == "discard" and key in page_of:
+            pool.discard(key)
+            lru.remove(key)
+            page = page_of.pop(key)
+            for _ in range(locked.pop(key, 0)):
+                pool.unlock(page)
+        assert [k for k in pool._by_hash] == lru
+        pool.check_integrity()
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"write_policy": "write_sometimes"}, "write_policy"),
+    ({"write_through_threshold": 0}, "write_through_threshold"),
+    ({"host_pool_mb": 0}, "host_pool_mb"),
+    ({"disk_max_mb": -1}, "disk_max_mb"),
+    ({"min_load_tokens": -5}, "min_load_tokens"),
+])
+def test_bad_config_names_the_key(bad, key):
+    with pytest.raises(ValueError, match=key):
+        HiCacheConfig(**bad)
+
+
+def test_tiers_need_the_radix_tree():
+    with pytest.raises(ValueError, match="hicache"):
+        EngineConfig(prefix_index="hashed", hicache=HiCacheConfig(enabled=True))
