@@ -472,6 +472,10 @@ class EdgeServer:
         if req.local is not None and not req.local_done:
             req.reason = None  # a cancelled request is answered as it stands, not escalated
             self.worker.cancel(req.msg.request_id)
+        elif req.local is None:  # only the cloud had it: nothing was generated here
+            self._answer(req, Result(req.msg.request_id, "", FinishReason.ABORT.value,
+                                     Usage(len(req.prompt_ids), 0), source=Source.CLOUD,
+                                     escalation_reason=req.reason.value, detail="cancelled"))
         else:
             self._settle(req)
 
