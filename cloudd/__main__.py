@@ -15,19 +15,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from cloudd.trace import bundled_trace  # noqa: E402
+from shared.cli import comma_list  # noqa: E402
 from shared.config import load_engine_config  # noqa: E402
 from shared.engine.engine_config import EngineConfig  # noqa: E402
-
-
-def _comma_list(choices: tuple[str, ...]):
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)} (got {text!r})")
-        return items
-
-    return parse
 
 
 def _url_list(text: str) -> tuple[str, ...]:
@@ -191,16 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="replay a fleet trace through the engine in-process, or against "
                                          "running servers (--serve)")
     bench.add_argument("--trace", type=Path, default=bundled_trace())
-    bench.add_argument("--index", type=_comma_list(("radix", "hashed")), default=("radix",),
+    bench.add_argument("--index", type=comma_list(("radix", "hashed")), default=("radix",),
                        help="prefix index variants, comma list (radix,hashed)")
-    bench.add_argument("--response-format", type=_comma_list(("none", "plan-schema")), default=("none",),
+    bench.add_argument("--response-format", type=comma_list(("none", "plan-schema")), default=("none",),
                        help="structured-output variants, comma list (none,plan-schema)")
     bench.add_argument("--baseline", choices=["hf"], help="also run HF transformers generate() and print the ratio")
     bench.add_argument("--baseline-batch", type=int, default=16)
     bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
     bench.add_argument("--robots", type=int, help="replay only the first N robots' requests (whole histories)")
-    bench.add_argument("--tiers", type=_comma_list(("off", "on")), default=("off",),
+    bench.add_argument("--tiers", type=comma_list(("off", "on")), default=("off",),
                        help="HiCache KV tiers variants, comma list (off,on); [hicache] in --config sizes them")
     bench.add_argument("--device-pool-frac", type=float,
                        help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks)")

@@ -47,6 +47,7 @@ from shared.protocol.messages import (
 )
 from shared.transport.curve import ClientCurve, ServerCurve
 from shared.transport.ledger import LedgerEntry, RequestLedger
+from shared.transport.router import incoming, send_nowait
 
 log = logging.getLogger(__name__)
 
@@ -186,32 +187,19 @@ class CloudServer:
                 return
             self._send_now(identity, payload)
 
-    def _triage(self, limit: int = 1000) -> None:
+    def _triage(self) -> None:
         """Read waiting client messages: answer bad ones and health here, pass the rest on."""
-        for _ in range(limit):
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity = frames[0]
-            try:
-                if len(frames) != 2:
-                    raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-                msg = decode(frames[1])
-            except ProtocolError as e:
-                self._send_now(identity, encode(Error(e.code, e.message, e.request_id)))
-                continue
-            if isinstance(msg, Health):
+        for identity, payload, msg in incoming(self.socket):
+            if isinstance(msg, Error):
+                self._send_now(identity, encode(msg))
+            elif isinstance(msg, Health):
                 self._send_now(identity, encode(Health("draining" if self._draining else "ok")))
             else:
-                self._front_pipe.send_multipart([identity, frames[1]])
+                self._front_pipe.send_multipart([identity, payload])
 
     def _send_now(self, identity: bytes, payload: bytes) -> None:
         """Front thread only."""
-        try:
-            self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
-        except zmq.Again:  # the peer's queue is full: it is gone or stuck; a retry resends
-            log.warning("dropped a reply to a peer that does not read")
+        send_nowait(self.socket, identity, payload)
 
     def _read_all(self, limit: int = 1000) -> None:
         """Engine thread: handle the messages the front thread passed on (all decodable)."""
@@ -255,7 +243,8 @@ class CloudServer:
     def _on_generate(self, identity: bytes, msg: Generate) -> None:
         entry = self.ledger.get(msg.request_id)
         if entry is not None:
-            self._attach(identity, msg, entry)
+            for reply in entry.rejoin(identity, msg):
+                self._send(identity, reply)
             return
         reject = self._admission_error(msg)
         if reject is not None:
@@ -290,20 +279,6 @@ class CloudServer:
         self.monitor.on_reject()
         self.metrics.on_reject(msg.priority.value, error.code.value)
         self._send(identity, error)
-
-    def _attach(self, identity: bytes, msg: Generate, entry: LedgerEntry) -> None:
-        """A retry: the same request again attaches to it; another one under its id is refused."""
-        if entry.request.fingerprint() != msg.fingerprint():
-            self._send(identity, Error(ErrorCode.INVALID_REQUEST,
-                                       f"request_id {msg.request_id!r} is in use by a different request",
-                                       msg.request_id))
-            return
-        entry.subscribe(identity)
-        if entry.request.stream:
-            for chunk in entry.chunks[msg.resume_from:]:
-                self._send(identity, chunk)
-        if entry.result is not None:
-            self._send(identity, entry.result)
 
     def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
         entry = self.ledger.get(msg.request_id)

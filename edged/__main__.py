@@ -15,17 +15,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from edged.backends.base import BACKENDS, QUANTS  # noqa: E402
-
-
-def _comma_list(choices: tuple[str, ...]):
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)} (got {text!r})")
-        return items
-
-    return parse
+from shared.cli import comma_list  # noqa: E402
 
 
 def _model_path(arg: Path | None) -> Path:
@@ -91,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=cmd_serve)
     e = sub.add_parser("export", help="build (or find cached) ONNX graphs of the model")
     e.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
-    e.add_argument("--quant", type=_comma_list(QUANTS), default=("int4",))
+    e.add_argument("--quant", type=comma_list(QUANTS), default=("int4",))
     e.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     e.set_defaults(func=cmd_export)
     b = sub.add_parser("bench", help="batch-1 TTFT (cold, pinned) and decode tok/s, every combination")
     b.add_argument("--model", type=Path)
-    b.add_argument("--backend", type=_comma_list(BACKENDS), default=("onnx", "torch"))
-    b.add_argument("--quant", type=_comma_list(QUANTS), default=("none", "int8", "int4"))
+    b.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx", "torch"))
+    b.add_argument("--quant", type=comma_list(QUANTS), default=("none", "int8", "int4"))
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--requests", type=int, default=5, help="plan requests per run (medians over them)")
     b.add_argument("--decode-tokens", type=int, default=64)
@@ -106,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=cmd_bench)
     q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")
     q.add_argument("--model", type=Path)
-    q.add_argument("--backend", type=_comma_list(BACKENDS), default=("onnx",))
-    q.add_argument("--quant", type=_comma_list(QUANTS), default=("none", "int8", "int4"))
+    q.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))
+    q.add_argument("--quant", type=comma_list(QUANTS), default=("none", "int8", "int4"))
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_quality)
     args = p.parse_args(argv)

@@ -44,11 +44,12 @@ from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
-from shared.protocol.codec import ProtocolError, decode, encode
+from shared.protocol.codec import ProtocolError, encode
 from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
 )
 from shared.transport.ledger import LedgerEntry, RequestLedger
+from shared.transport.router import incoming, send_nowait
 
 log = logging.getLogger(__name__)
 
@@ -202,17 +203,13 @@ class EdgeServer:
             return 100
         return max(0, min(100, int((min(timers) - time.monotonic()) * 1000) + 1))
 
-    def _read_all(self, limit: int = 1000) -> None:
-        for _ in range(limit):
+    def _read_all(self) -> None:
+        for identity, _, msg in incoming(self.socket):
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity = frames[0]
-            try:
-                if len(frames) != 2:
-                    raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-                self._handle(identity, decode(frames[1]))
+                if isinstance(msg, Error):
+                    self._send(identity, msg)
+                else:
+                    self._handle(identity, msg)
             except ProtocolError as e:
                 self._send(identity, Error(e.code, e.message, e.request_id))
             except Exception as e:  # a bug answering one message must not stop the daemon
@@ -237,7 +234,8 @@ class EdgeServer:
     def _on_generate(self, identity: bytes, msg: Generate) -> None:
         entry = self.ledger.get(msg.request_id)
         if entry is not None:
-            self._attach(identity, msg, entry)
+            for reply in entry.rejoin(identity, msg):
+                self._send(identity, reply)
             return
         self.counters.requests += 1
         if self._draining:
@@ -271,18 +269,6 @@ class EdgeServer:
             self._start_local(req, params)
         if req.reason is not None:
             self._escalate(req)
-
-    def _attach(self, identity: bytes, msg: Generate, entry: LedgerEntry) -> None:
-        if entry.request.fingerprint() != msg.fingerprint():
-            self._send(identity, Error(ErrorCode.INVALID_REQUEST,
-                                       f"request_id {msg.request_id!r} is in use by a different request", msg.request_id))
-            return
-        entry.subscribe(identity)
-        if entry.request.stream:
-            for chunk in entry.chunks[msg.resume_from:]:
-                self._send(identity, chunk)
-        if entry.result is not None:
-            self._send(identity, entry.result)
 
     def _reject(self, identity: bytes, error: Error) -> None:
         self.counters.rejected += 1
@@ -499,10 +485,7 @@ class EdgeServer:
         }
 
     def _send(self, identity: bytes, msg: Message) -> None:
-        try:
-            self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropped a reply to a peer that does not read")
+        send_nowait(self.socket, identity, encode(msg))
 
 
 def _plan(text: str, spec: GrammarSpec | None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shared.protocol.messages import Chunk, Generate, Result
+from shared.protocol.messages import Chunk, Error, ErrorCode, Generate, Message, Result
 
 
 @dataclass
@@ -34,6 +34,22 @@ class LedgerEntry:
     def subscribe(self, identity: bytes) -> None:
         if identity not in self.subscribers:
             self.subscribers.append(identity)
+
+    def rejoin(self, identity: bytes, retry: Generate) -> list[Message]:
+        """A ``generate`` again under this entry's id: the replies to send ``identity`` now.
+
+        The same request subscribes it (later chunks and the result follow) and returns the
+        chunks from ``retry.resume_from`` on and the result if there is one; a different request
+        under the id gets an ``invalid_request`` error and changes nothing.
+        """
+        if self.request.fingerprint() != retry.fingerprint():
+            return [Error(ErrorCode.INVALID_REQUEST,
+                          f"request_id {retry.request_id!r} is in use by a different request", retry.request_id)]
+        self.subscribe(identity)
+        replies: list[Message] = list(self.chunks[retry.resume_from:]) if self.request.stream else []
+        if self.result is not None:
+            replies.append(self.result)
+        return replies
 
 
 class RequestLedger:

@@ -1,0 +1,39 @@
+"""The server side of a ROUTER socket, shared by cloudd and edged: read what waits, send
+without ever blocking the daemon's loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import zmq
+
+from shared.protocol.codec import ProtocolError, decode
+from shared.protocol.messages import Error, ErrorCode, Message
+
+log = logging.getLogger(__name__)
+
+
+def incoming(socket: zmq.Socket, limit: int = 1000) -> Iterator[tuple[bytes, bytes, Message | Error]]:
+    """Up to ``limit`` waiting messages as ``(identity, payload, message)``; a message that does
+    not decode (or has extra frames) comes as the ``Error`` to answer it with."""
+    for _ in range(limit):
+        try:
+            frames = socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        identity, payload = frames[0], frames[-1]
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
+            yield identity, payload, decode(payload)
+        except ProtocolError as e:
+            yield identity, payload, Error(e.code, e.message, e.request_id)
+
+
+def send_nowait(socket: zmq.Socket, identity: bytes, payload: bytes) -> None:
+    """Send one reply; a peer whose queue is full (gone or stuck) loses it -- a retry resends."""
+    try:
+        socket.send_multipart([identity, payload], zmq.NOBLOCK)
+    except zmq.Again:
+        log.warning("dropped a reply to a peer that does not read")
