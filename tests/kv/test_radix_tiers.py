@@ -170,6 +170,7 @@ def _hashes(tokens: tuple[int, ...]) -> list[bytes]:
 
 
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=13)
+long_seqs = st.lists(st.integers(0, 2), min_size=4, max_size=13)
 
 
 class TierMachine(RuleBasedStateMachine):
@@ -212,6 +213,11 @@ class TierMachine(RuleBasedStateMachine):
         if self.seen:
             self.tiers.back_up(self.seen[i % len(self.seen)])
 
+    @rule(tokens=long_seqs)
+    def insert_and_back_up(self, tokens):  # write-through: most slot-less nodes come from here
+        self.insert(tokens)
+        self.tiers.back_up(tokens)
+
     @rule()
     def evict_all(self):
         self.tree.evict(10**6)
@@ -244,6 +250,11 @@ class TierMachine(RuleBasedStateMachine):
             end = (m.num_tokens // BS + len(found)) * BS
             cache(self.tree, self.pool, tokens[:end], m.slots)
             self._cached(tokens[:end])
+
+    @rule(i=st.integers(0, 50))
+    def robot_returns(self, i):  # its KV was evicted meanwhile; it loads what the tiers hold
+        self.evict_all()
+        self.load(i)
 
     @invariant()
     def same_as_reference(self):
