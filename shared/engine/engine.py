@@ -27,10 +27,11 @@ from shared.engine.grammar.response_format import grammar_spec
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hashed import HashedBlockIndex
-from shared.engine.kv.hicache import HiCache, TierStats
+from shared.engine.kv.hicache import HiCache
 from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixCache
 from shared.engine.kv.radix import RadixTree
+from shared.engine.kv.tier_stats import TierStats
 from shared.engine.policy import FCFS, SchedulingPolicy
 from shared.engine.request import FinishReason, Request
 from shared.engine.runner import ModelRunner

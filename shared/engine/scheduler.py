@@ -301,7 +301,7 @@ class Scheduler:
         tiers = self.kv.tiers
         if tiers is None or req.tier_handle is not None:
             return False
-        hit = tiers.find(req, match.num_tokens)
+        hit = self.kv.find_in_tiers(req, match)
         if hit is None:
             return False
         loaded = [r for r in self.waiting if r.tier_handle is not None]

@@ -93,3 +93,32 @@ def test_restart_with_warm_disk_tier_hits(tmp_path):
     # the second pass over the same prompts reuses (nearly) everything the first one computed
     assert stats.cache_hit_tokens > 0.8 * stats.prompt_tokens
     restarted.close()
+
+
+def test_returning_robots_load_through_slotless_tree_nodes():
+    # device eviction keeps backed-up nodes in the tree (slot-less, tier host); a returning
+    # robot's load is found there, not by hash, and gives those nodes their slots back
+    prompts = returning_robots(random.Random(5), robots=4, turns=3)
+    engine = Engine(MODEL, None, tier_config(num_blocks=30))
+    kv, from_tree, slotless = engine.scheduler.kv, [], []
+    find = kv.find_in_tiers
+
+    def spy(req, match):
+        hit = find(req, match)
+        if hit is not None:
+            from_tree.append(hit.handle is not None)
+            slotless.append(sum(1 for n in _nodes(engine.index) if not n.slots))
+        return hit
+
+    kv.find_in_tiers = spy
+    assert one_by_one(engine, prompts) == never_evicted(prompts)
+    assert from_tree and all(from_tree) and min(slotless) > 0
+    engine.close()
+
+
+def _nodes(tree):
+    stack = list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())

@@ -2,7 +2,10 @@
 
 Keys: every full KV block of a sequence is a *page* keyed by its chained hash
 (`page_hash`), so the tiers below the device are content-addressed: identical pages are kept
-once, and a match continues from the radix tree's device match into the tiers page by page::
+once. The radix tree is the primary index: its slot-less nodes record their pages' hashes and
+tiers (`radix_tiers`), kept current by ``on_page_moved``, which is called after every change
+of a page's tier. A match continues from the tree's device match into the pages its nodes
+record, then by hash for pages no node knows (a warm disk tier after a restart)::
 
     | device (radix tree, token-exact) | host pages | disk pages | not cached |
     0                                  m            (page-aligned)          num_tokens
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.kv.block_pool import BlockPool
@@ -33,6 +36,7 @@ from shared.engine.kv.host_pool import HostPagePool
 from shared.engine.kv.prefix_cache import PrefixMatch
 from shared.engine.kv.page_hash import extend_page_hashes, page_hashes
 from shared.engine.kv.tier_ops import Backup, DeleteFiles, Load, OpDone, Prefetch, Spill, Tier, TierOp
+from shared.engine.kv.tier_stats import TierStats
 from shared.engine.request import Request
 
 PageHash = bytes
@@ -46,6 +50,7 @@ class TierHit:
     start_page: int  # = device_tokens // page_size: the page holding the first missing token
     tiers: tuple[Tier, ...]  # HOST or DISK, per page
     page_size: int
+    handle: object = field(default=None, compare=False)  # tree node owning its last known page
 
     @property
     def num_tokens(self) -> int:
@@ -74,28 +79,6 @@ class LoadTicket:
         return (self.hit.start_page + self.op.num_ok) * self.hit.page_size
 
 
-@dataclass
-class TierStats:
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    bytes_moved: dict[str, int] = field(default_factory=lambda: {
-        "device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0})
-    loads: int = 0
-    loads_skipped: int = 0  # the cost model chose to recompute
-    load_failures: int = 0  # pages that were missing, torn or corrupt (read as misses)
-    load_s: float = 0.0  # summed request waits, submit to completion
-    write_ops: int = 0
-    write_s: float = 0.0  # summed worker time of backups and spills
-    host_pages_used: int = 0
-    host_pages_total: int = 0
-    disk_pages: int = 0
-
-    def as_dict(self) -> dict:
-        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
-        d["load_mean_s"] = self.load_s / self.loads if self.loads else 0.0
-        d["write_mean_s"] = self.write_s / self.write_ops if self.write_ops else 0.0
-        return d
-
-
 class HiCache:
     """The tiers' bookkeeping and policies; ``copier`` executes the ops it queues."""
 
@@ -112,6 +95,9 @@ class HiCache:
         self._loads: dict[int, LoadTicket] = {}  # by id(op)
         self._held_blocks: dict[int, list[int]] = {}  # by id(op): blocks ref'd by backups in flight
         self._hits: OrderedDict[PageHash, int] = OrderedDict()  # write_through_selective counts
+        # Told each hash whose tier may have changed, after the change (the radix tree's
+        # `page_moved`, which keeps its node records equal to `where`).
+        self.on_page_moved: Callable[[PageHash], None] = lambda page_hash: None
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -130,22 +116,25 @@ class HiCache:
 
     # --- loads -----------------------------------------------------------------------------
 
-    def find(self, req: Request, device_tokens: int) -> TierHit | None:
+    def find(self, req: Request, device_tokens: int, known: Sequence[tuple[PageHash, Tier]] = (),
+             handle: object = None) -> TierHit | None:
         """The tiers' continuation of a device match of ``device_tokens`` tokens, leaving the
-        newest token to compute; None on a miss or when the cost model prefers recomputing."""
+        newest token to compute; None on a miss or when the cost model prefers recomputing.
+        ``known``: (hash, tier) of the pages from ``device_tokens // page_size`` on that the
+        radix tree records (owned by ``handle`` and its ancestors); later pages by hash."""
         ps = self.page_size
         start, end = device_tokens // ps, (req.num_tokens - 1) // ps
         if end <= start:
             return None
-        tiers = []
-        for page_hash in self.hashes(req, end)[start:]:
+        tiers = [tier for _, tier in known[: end - start]]
+        for page_hash in self.hashes(req, end)[start + len(tiers):]:
             tier = self.where(page_hash)
             if tier is None:
                 break
             tiers.append(tier)
         if not tiers:
             return None
-        hit = TierHit(device_tokens, start, tuple(tiers), ps)
+        hit = TierHit(device_tokens, start, tuple(tiers), ps, handle if known else None)
         num_disk = tiers.count(Tier.DISK)
         if not self.cost.worth_loading(hit.num_tokens - device_tokens, len(tiers) - num_disk, num_disk):
             self.stats.loads_skipped += 1
@@ -281,14 +270,17 @@ class HiCache:
             self._held_blocks[id(op)] = blocks
             self.copier.submit(op)
 
-    def on_device_evict(self, path_tokens: list[int], owned: list[tuple[int, int]]) -> None:
+    def on_device_evict(self, path_tokens: list[int], owned: list[tuple[int, int]]) -> list[PageHash]:
         """Under write_back, copy the pages the radix tree is evicting to the host, now.
 
         ``owned``: (page index, device block) of each full page whose last token the evicted
-        node held. The copy runs before the blocks can be reused (after queued ops)."""
-        if self.config.write_policy != "write_back" or not owned:
-            return
+        node held. The copy runs before the blocks can be reused (after queued ops). Returns
+        the hashes of the path's pages up to the last owned one."""
+        if not owned:
+            return []
         keys = page_hashes(path_tokens[: (owned[-1][0] + 1) * self.page_size], self.page_size)
+        if self.config.write_policy != "write_back":
+            return keys
         blocks, pages, hashes = [], [], []
         for k, block in owned:
             if self.where(keys[k]) is not None:
@@ -304,6 +296,7 @@ class HiCache:
             self.stats.write_ops += 1
             self.stats.write_s += done.seconds
             self.stats.bytes_moved["device_to_host"] += len(pages) * self.copier.page_bytes
+        return keys
 
     def prefetch(self, req: Request, device_tokens: int) -> None:
         """Disk -> host for the pages of ``req`` past its device match that only the disk
@@ -323,6 +316,7 @@ class HiCache:
             if alloc is None:
                 break
             self.host.lock(alloc.page)
+            self.on_page_moved(page_hash)
             pages.append(alloc.page)
             hashes.append(page_hash)
         if pages:
@@ -335,12 +329,18 @@ class HiCache:
         alloc = self.host.allocate(page_hash)
         if alloc is None:
             return None
+        moved = [page_hash]
+        if alloc.evicted is not None:
+            moved.append(alloc.evicted)
         if alloc.evicted is not None and self.disk is not None and alloc.evicted not in self.disk:
             self.host.lock(alloc.page)
             dropped = self.disk.add(alloc.evicted)
             self._submit(Spill([alloc.page], [alloc.evicted]))
             if dropped:
                 self._submit(DeleteFiles(dropped))
+                moved += dropped
+        for h in moved:
+            self.on_page_moved(h)
         return alloc.page
 
     def _forget(self, page_hash: PageHash) -> None:
@@ -348,6 +348,7 @@ class HiCache:
         self.host.discard(page_hash)
         if self.disk is not None:
             self.disk.discard(page_hash)
+        self.on_page_moved(page_hash)
 
     def _unlock(self, pages: list[int]) -> None:
         for page in pages:

@@ -48,9 +48,11 @@ class KVCacheManager:
         self.index = index
         self.block_size = pool.block_size
         self.tiers = tiers
-        if tiers is not None:
+        if tiers is not None:  # the tree is the primary index of the tiers' pages
             assert hasattr(index, "on_evict"), "HiCache needs the radix tree"
             index.on_evict = self._on_evict
+            index.pages.where = tiers.where
+            tiers.on_page_moved = index.page_moved
 
     def match(self, req: Request) -> PrefixMatch:
         """Longest cached prefix, leaving at least the newest token to compute (its logits)."""
@@ -118,15 +120,26 @@ class KVCacheManager:
 
     # --- HiCache loads ----------------------------------------------------------------------
 
+    def find_in_tiers(self, req: Request, match: PrefixMatch) -> TierHit | None:
+        """The lower tiers' continuation of ``match``: the pages the tree's slot-less nodes
+        record first, then (pages no node knows, e.g. a warm disk after a restart) by hash."""
+        assert self.tiers is not None
+        known, handle = self.index.match_lower(req.token_ids_between(0, req.num_tokens - 1))
+        return self.tiers.find(req, match.num_tokens, known, handle)
+
     def start_load(self, req: Request, match: PrefixMatch, hit: TierHit) -> bool:
-        """Lock ``match`` and queue the copy of ``hit``'s pages into fresh blocks; the request
-        holds them in ``req.tier_load`` until `end_load`. False (nothing changed) when the pool
-        cannot supply the blocks even after eviction."""
+        """Lock ``match`` (and ``hit``'s tree nodes) and queue the copy of ``hit``'s pages into
+        fresh blocks; the request holds them in ``req.tier_load`` until `end_load`. False
+        (nothing changed) when the pool cannot supply the blocks even after eviction."""
         from shared.engine.kv.hicache import LoadTicket
 
         assert self.tiers is not None and req.tier_load is None and req.tier_handle is None
+        if hit.handle is not None:
+            self.index.lock_lower(hit.handle)  # first: the eviction below may move pages
         match = self._lock_with_room(req, match, len(hit.tiers))
         if match is None:
+            if hit.handle is not None:
+                self.index.unlock_lower(hit.handle)
             return False
         ticket = LoadTicket(req, match, hit, self.pool.allocate(len(hit.tiers)))
         req.tier_load = ticket
@@ -134,8 +147,9 @@ class KVCacheManager:
         return True
 
     def end_load(self, ticket: LoadTicket) -> None:
-        """A load finished: cache what landed in the index and keep it locked for the request
-        (``req.tier_handle``) until `admit`; drop the ticket's own refs and lock.
+        """A load finished: cache what landed in the index (the tree's slot-less nodes take
+        the loaded blocks as their slots) and keep it locked for the request
+        (``req.tier_handle``) until `admit`; drop the ticket's own refs and locks.
 
         # | device match (tree's slots) | loaded pages (the ticket's blocks) |
         # 0                             m                                    num_ok_tokens
@@ -149,6 +163,8 @@ class KVCacheManager:
             handle = self.index.insert(req.token_ids_between(0, end), list(match.slots) + new)
             self.index.lock(handle)
             req.tier_handle = handle
+        if ticket.hit.handle is not None:
+            self.index.unlock_lower(ticket.hit.handle)
         self.index.unlock(match.handle)
         self.pool.decref(ticket.blocks)
 
@@ -162,13 +178,19 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.prefetch(req, self.match(req).num_tokens)
 
-    def _on_evict(self, leaf) -> None:
-        """Radix eviction hook: hand the tiers the full pages whose last token ``leaf`` holds."""
+    def _on_evict(self, node) -> dict[int, bytes] | None:
+        """Radix eviction hook: hand the tiers the full pages whose last token ``node`` holds
+        (write-back copies them now); returns {page index: hash} of those a tier holds (the
+        node stays, slot-less, up to its first page that is missing); None once the tiers
+        are closed (the node goes)."""
+        if self.tiers is None:
+            return None
         bs = self.block_size
-        path = self.index.path_tokens(leaf)
-        depth = len(path) - len(leaf.token_ids)
-        owned = [(k, leaf.slots[(k + 1) * bs - 1 - depth] // bs) for k in range(depth // bs, len(path) // bs)]
-        self.tiers.on_device_evict(path, owned)
+        path = self.index.path_tokens(node)
+        depth = len(path) - len(node.token_ids)
+        owned = [(k, node.slots[(k + 1) * bs - 1 - depth] // bs) for k in range(depth // bs, len(path) // bs)]
+        keys = self.tiers.on_device_evict(path, owned)
+        return {k: keys[k] for k, _ in owned if self.tiers.where(keys[k]) is not None}
 
     def _copy_into(self, block: int, k: int, match: PrefixMatch) -> SlotCopy:
         """Copy the matched tokens of logical block ``k`` into physical ``block``."""
