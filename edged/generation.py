@@ -26,7 +26,8 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import GrammarState, MaskBatch
 from shared.engine.grammar.response_format import GrammarSpec
-from shared.engine.request import FinishReason
+from shared.engine.kv.radix import common_prefix_len
+from shared.engine.request import FinishReason, stop_reason
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.model.tokenizer import Tokenizer
@@ -141,10 +142,9 @@ class Batch1Generator:
     def _prepare(self, context: list[int], job: LocalJob | None) -> int:
         """Load the best reusable prefix for ``context``; returns how many tokens it covers."""
         usable = len(context) - 1  # at least one token is computed, for its logits
-        reused = _common_prefix(self.held, context, usable)
-        best = max(self.pinned.values(), default=None,
-                   key=lambda p: _common_prefix(p.token_ids, context, usable))
-        from_pin = _common_prefix(best.token_ids, context, usable) if best else 0
+        reused = min(common_prefix_len(self.held, context), usable)
+        matches = [(min(common_prefix_len(p.token_ids, context), usable), p) for p in self.pinned.values()]
+        from_pin, best = max(matches, key=lambda m: m[0], default=(0, None))
         if from_pin > reused:
             self.backend.load_kv(best.snapshot)
             reused = from_pin
@@ -163,8 +163,8 @@ class Batch1Generator:
         return logits
 
     def _choose(self, job: LocalJob, logits: torch.Tensor) -> int:
-        raw = torch.log_softmax(logits, dim=-1)
-        batch = logits[None].clone()
+        raw = torch.log_softmax(logits, dim=-1)  # the model's own belief, before the mask
+        batch = logits[None]  # masked in place: the backend overwrites its logits every forward
         if job.grammar is not None and not job.grammar.finished:
             self.masks.apply(batch, [0], [job.grammar])
         token, _ = self.sampler.sample(batch, [job.request_id], [job.params])[0]
@@ -177,14 +177,8 @@ class Batch1Generator:
         return token
 
     def _stop_reason(self, job: LocalJob, token: int) -> FinishReason | None:
-        sp = job.params
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        if job.grammar is not None and job.grammar.finished:
-            return FinishReason.STOP
-        if len(job.generated) >= sp.max_tokens:
-            return FinishReason.LENGTH
-        return None
+        grammar_done = job.grammar is not None and job.grammar.finished
+        return stop_reason(job.params, token, self.eos_token_ids, grammar_done, len(job.generated))
 
     def _end(self, job: LocalJob, reason: FinishReason, emit: Callable[[list[int], str], None]) -> bool:
         job.finish_reason = reason
@@ -195,10 +189,3 @@ class Batch1Generator:
         self.sampler.forget(job.request_id)
         return True
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

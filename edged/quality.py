@@ -21,6 +21,7 @@ import torch
 
 from edged.backends.base import Batch1Backend
 from edged.backends.factory import make_backend as factory_backend
+from shared.engine.kv.radix import common_prefix_len
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 PLAN_PROMPTS = (
@@ -70,7 +71,7 @@ def greedy_ids(backend: Batch1Backend, prompt: Sequence[int], n: int) -> list[in
 def compare(name: str, quant: str, trace: _Trace, ref: _Trace) -> dict:
     """One report row: ``trace``'s figures, with agreement measured against ``ref``."""
     nll = sum(trace.nll) / len(trace.nll)
-    prefixes = [_common_prefix(a, b) / len(b) for a, b in zip(trace.greedy, ref.greedy)]
+    prefixes = [common_prefix_len(a, b) / len(b) for a, b in zip(trace.greedy, ref.greedy)]
     return {
         "backend": name, "quant": quant,
         "nll": round(nll, 4), "ppl": round(math.exp(nll), 3),
@@ -123,11 +124,3 @@ def format_table(rows: Sequence[dict]) -> str:
                      f"| {r['top1']:.1%} | {r['greedy_prefix']:.1%} | {r['greedy_exact']:.0%} |")
     return "\n".join(lines)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

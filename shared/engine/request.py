@@ -10,6 +10,7 @@ Prefill, chunked prefill, prefix hit and decode all mean the same thing: compute
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,6 +36,19 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # the client cancelled
     DEADLINE = "deadline"  # its deadline passed: it ends with what it has
 
+
+
+def stop_reason(sampling: SamplingParams, token: int, eos_token_ids: Collection[int], grammar_finished: bool,
+                num_output_tokens: int) -> FinishReason | None:
+    """Why a request ends after emitting ``token`` (its ``num_output_tokens``-th), or None: a stop
+    token or end-of-sequence (unless ``ignore_eos``), a grammar that accepted its end, ``max_tokens``."""
+    if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_token_ids):
+        return FinishReason.STOP
+    if grammar_finished:
+        return FinishReason.STOP
+    if num_output_tokens >= sampling.max_tokens:
+        return FinishReason.LENGTH
+    return None
 
 @dataclass(eq=False)
 class Request:

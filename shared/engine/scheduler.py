@@ -29,7 +29,7 @@ from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixMatch
 from shared.engine.kv.radix import common_prefix_len
 from shared.engine.policy import SchedulingPolicy
-from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.request import FinishReason, Request, RequestStatus, stop_reason
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.engine.service_rate import ServiceRate
 
@@ -400,12 +400,9 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int, last: bool = True) -> FinishReason | None:
         """``last``: ``token`` is the last of this step's picks; the grammar has already
         accepted them all, so its state speaks for the last one only."""
-        sp = req.sampling
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        if last and req.grammar is not None and req.grammar.finished:  # it accepted its stop token
-            return FinishReason.STOP
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+        grammar_done = last and req.grammar is not None and req.grammar.finished  # it accepted its end
+        reason = stop_reason(req.sampling, token, self.eos_token_ids, grammar_done, req.num_output_tokens)
+        if reason is None and req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
-        return None
+        return reason
 
