@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
     bench.add_argument("--robots", type=int, help="replay only the first N robots' requests (whole histories)")
-    bench.add_argument("--tiers", type=comma_list(("off", "on")), default=("off",),
-                       help="HiCache KV tiers variants, comma list (off,on); [hicache] in --config sizes them")
+    bench.add_argument("--tiers", type=comma_list(("off", "on", "layerwise")), default=("off",),
+                       help="HiCache KV tiers variants, comma list (off,on,layerwise: on with every host "
+                            "load run layer by layer); [hicache] in --config sizes them")
     bench.add_argument("--device-pool-frac", type=float,
                        help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks)")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -48,7 +48,9 @@ class BenchOptions:
     output_len: int = 96
     limit: int | None = None
     robots: int | None = None  # replay only the requests of the first N robots (whole histories)
-    tiers: tuple[str, ...] = ("off",)  # HiCache variants: "off" | "on" ([hicache] config, enabled)
+    # HiCache variants: "off" | "on" ([hicache] config, enabled) | "layerwise" (on, and every
+    # load of host pages runs layer by layer under its request's forward)
+    tiers: tuple[str, ...] = ("off",)
     device_pool_frac: float | None = None  # KV pool = this fraction of the trace's working set
     host_pool_frac: float = 0.5  # with tiers on and no host size configured: of the working set
 
@@ -157,7 +159,7 @@ def _size_pools(opts: BenchOptions, ckpt: Checkpoint, requests: list[TraceReques
     """The engine config with the KV pool (and a host tier not sized by the config) set as
     fractions of the replayed requests' working set; the working set (0 if not computed)."""
     config = opts.engine
-    if opts.device_pool_frac is None and "on" not in opts.tiers:
+    if opts.device_pool_frac is None and set(opts.tiers) == {"off"}:
         return config, 0
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     ws = working_set_tokens(prompts)
@@ -183,7 +185,9 @@ class _tier_dir:
 
     def __init__(self, config: EngineConfig, tiers: str) -> None:
         self.config, self.tmp = config, None
-        hc = dataclasses.replace(config.hicache, enabled=tiers == "on")
+        hc = dataclasses.replace(config.hicache, enabled=tiers != "off")
+        if tiers == "layerwise":
+            hc = dataclasses.replace(hc, layerwise_load="on")
         if hc.enabled and not hc.disk_dir:
             self.tmp = tempfile.mkdtemp(prefix="fleetserve-disk-tier-")
             hc = dataclasses.replace(hc, disk_dir=self.tmp)
@@ -204,18 +208,26 @@ def _variant_name(index: str, fmt: str, tiers: str, opts: BenchOptions) -> str:
     return "/".join(parts) or index
 
 
+# (baseline, variant, the variant's ratio key, how the log names them)
+_TIER_COMPARISONS = (("off", "on", "vs_tiers_off", "tiers on", "tiers off"),
+                     ("on", "layerwise", "vs_whole_loads", "layerwise", "whole loads"))
+
+
 def _compare_tiers(runs: dict, opts: BenchOptions, log) -> None:
-    """With tiers off and on: the replay's speed-up (wall time off over on) and the reuse."""
-    if set(opts.tiers) != {"off", "on"}:
-        return
+    """With tiers off and on: the replay's speed-up (wall time off over on) and the reuse; with
+    on and layerwise: the same for layer-by-layer loads over whole ones."""
     for index in opts.indexes:
         for fmt in opts.response_formats:
-            off = runs[_variant_name(index, fmt, "off", opts)]
-            on = runs[_variant_name(index, fmt, "on", opts)]
-            on["vs_tiers_off"] = off["wall_s"] / on["wall_s"]
-            log(f"   tiers on: {on['vs_tiers_off']:.2f}x faster than tiers off ({on['wall_s']:.1f} s vs"
-                f" {off['wall_s']:.1f} s); prompt tokens reused {100 * on['prefix_hit_rate']:.1f}% vs"
-                f" {100 * off['prefix_hit_rate']:.1f}%")
+            run = {t: runs[_variant_name(index, fmt, t, opts)] for t in opts.tiers}
+            for base_name, name, key, label, base_label in _TIER_COMPARISONS:
+                if base_name not in run or name not in run:
+                    continue
+                base, variant = run[base_name], run[name]
+                variant[key] = base["wall_s"] / variant["wall_s"]
+                log(f"   {label}: {variant[key]:.2f}x faster than {base_label} ({variant['wall_s']:.1f} s vs"
+                    f" {base['wall_s']:.1f} s); prompt tokens reused {100 * variant['prefix_hit_rate']:.1f}% vs"
+                    f" {100 * base['prefix_hit_rate']:.1f}%; TTFT p50 {variant['ttft_s']['p50']:.2f}s vs"
+                    f" {base['ttft_s']['p50']:.2f}s")
 
 
 def _compare_formats(runs: dict, opts: BenchOptions, log) -> None:

@@ -85,6 +85,7 @@ def format_run(name: str, r: dict) -> str:
         hits, moved = t["hit_tokens"], t["bytes_moved"]
         lines.append(f"   tier hits: device {hits['device']:,} host {hits['host']:,} disk {hits['disk']:,} tokens"
                      f"   loads {t['loads']} (mean {1000 * t['load_mean_s']:.1f} ms, {t['loads_skipped']} skipped,"
+                     f" {t['loads_layerwise']} layer by layer,"
                      f" {t['load_failures']} failed)   moved D>H {moved['device_to_host'] / 2**20:,.0f} MB"
                      f" H>D {moved['host_to_device'] / 2**20:,.0f} MB H>disk {moved['host_to_disk'] / 2**20:,.0f} MB"
                      f" disk>H {moved['disk_to_host'] / 2**20:,.0f} MB")

@@ -190,7 +190,8 @@ def _tier_lines(tiers: dict | None) -> list[tuple[str, str]]:
     mb = {k: fmt((v or 0) / 2**20, ",.0f") for k, v in moved.items()}
     return [("KV tiers", f"hits device {fmt(hits.get('device'), ',')} · host {fmt(hits.get('host'), ',')}"
                          f" · disk {fmt(hits.get('disk'), ',')} tokens · {fmt(tiers.get('loading'))} loading"
-                         f" · load {fmt_seconds(tiers.get('load_mean_s'))} avg"
+                         f" · {fmt(tiers.get('loads'), ',')} loads ({fmt(tiers.get('loads_layerwise'), ',')}"
+                         f" layer by layer), {fmt_seconds(tiers.get('load_mean_s'))} avg"
                          f" · host {fmt(tiers.get('host_pages_used'), ',')}/{fmt(tiers.get('host_pages_total'), ',')}"
                          f" pages · disk {fmt(tiers.get('disk_pages'), ',')} pages"),
             ("tier traffic", f"D→H {mb.get('device_to_host', '-')} MB · H→D {mb.get('host_to_device', '-')} MB"

@@ -19,19 +19,54 @@ not matter)::
 
     row r:  | system prompt (128 rows) | scene (8 rows) | history (2 rows) | own blocks |
 
-All index tensors and masks are built once per step (``AttentionMetadata``), not per layer.
+All index tensors and masks are built once per step (``AttentionMetadata``), not per layer, on
+the device of the KV pools. Each attention call is torch's flash kernel on the CPU and the
+float32 `attention_with_lse` elsewhere (`_flash_with_lse` dispatches).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, PrefillSegment
 
-# Returns (output, logsumexp); the public SDPA does not expose the logsumexp a merge needs.
-_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+if TYPE_CHECKING:
+    from shared.engine.kv.layer_fence import LayerFence
+
+
+# Bound once: looking an op up in torch.ops costs microseconds per call.
+_cpu_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, logsumexp) of attention: the public SDPA does not expose the logsumexp a merge
+    needs. On the CPU, torch's flash kernel; on any other device, `attention_with_lse`."""
+    if q.is_cpu:
+        return _cpu_flash_with_lse(q, k, v, attn_mask=attn_mask, scale=scale)
+    return attention_with_lse(q, k, v, attn_mask, scale)
+
+
+def attention_with_lse(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, H, Lk, D]
+    v: torch.Tensor,  # [B, H, Lk, D]
+    attn_mask: torch.Tensor,  # additive float, broadcastable to [B, H, Lq, Lk]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, Lq, D] in q's dtype, lse [B, H, Lq] float32
+    """Plain-torch twin of the CPU flash kernel (same shapes and dtypes), computed in float32.
+
+    Every query row must see at least one key: a fully masked row gives NaN here (the CPU
+    kernel gives zeros); the metadata never builds one.
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale + attn_mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype), lse
 
 
 def write_kv(
@@ -75,11 +110,16 @@ def paged_attention(
 @dataclass(frozen=True)
 class PagedAttentionStep:
     """The engine's attention for one step (``shared.model.llama.AttentionStep``): K/V go to
-    ``meta.slot_mapping`` in the paged pools, queries read their sequences' blocks."""
+    ``meta.slot_mapping`` in the paged pools, queries read their sequences' blocks. Before a
+    layer reads anything it waits on ``fences``: KV tier loads still landing in blocks this
+    step reads, one layer at a time (so layer ``l`` computes while later layers copy)."""
 
     meta: AttentionMetadata
+    fences: tuple[LayerFence, ...] = ()  # tier loads into blocks this step reads, layer by layer
 
-    def attend(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+        for fence in self.fences:  # the layer's loaded KV must land before it is read
+            fence.wait(layer)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, self.meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, self.meta, scale)

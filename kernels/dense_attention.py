@@ -22,7 +22,7 @@ class DenseAttentionStep:
     end: int  # positions[-1] + 1 (the context the queries see); ignored with static_len
     static_len: bool = False
 
-    def attend(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, self.positions, k)
         v_cache.index_copy_(0, self.positions, v)

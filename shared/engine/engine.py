@@ -106,7 +106,7 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
     ):
         """``clock`` times everything (arrivals, deadlines, ageing, step rates); tests pass a
-        fake one."""
+        fake one. ``model`` is moved to ``config.device`` in place (``nn.Module.to``)."""
         self.config = config
         self.clock = clock
         self.tokenizer = tokenizer
@@ -119,7 +119,7 @@ class Engine:
             model.config.max_position_embeddings,
             (config.num_blocks - 1) * config.block_size,
         )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size)
         self.tiers = _make_tiers(config, self.pool, self.runner, lambda: self.scheduler.rate.seconds_per_token)
         self.scheduler = Scheduler(
             dataclasses.replace(config.scheduler, max_model_len=max_len),
@@ -473,7 +473,8 @@ def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,
         raise ValueError(f"[hicache] host_pool_mb {hc.host_pool_mb} holds no page ({size} bytes each)")
     disk = DiskTier(hc.disk_dir, int(hc.disk_max_mb * 2**20) // size) if hc.disk_dir else None
     copier = TierCopier(runner.kv_caches, num_host_pages, disk)
-    return HiCache(hc, pool, copier, num_host_pages, disk, seconds_per_token)
+    return HiCache(hc, pool, copier, num_host_pages, disk, seconds_per_token,
+                   layerwise=hc.layerwise_for(on_gpu=runner.device.type == "cuda"))
 
 
 def _make_index(kind: str, pool: BlockPool) -> PrefixCache:

@@ -1,7 +1,13 @@
-"""Engine settings: KV pool geometry, prefix index, dtype, scheduler limits, KV tiers."""
+"""Engine settings: device, KV pool geometry, prefix index, dtype, scheduler limits, KV tiers.
+
+``device`` is where the model, its KV pool and every per-step tensor live: "cpu" (the default)
+or "cuda" / "cuda:N" (the ``[engine] device`` key of a daemon's TOML). Sampling and grammar
+masks always run on the CPU (see ``ModelRunner.execute``).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -18,11 +24,13 @@ class EngineConfig:
     num_blocks: int = 2048  # KV pool size in blocks, including the reserved null block
     prefix_index: str = "radix"  # "radix" (token-exact) | "hashed" (vLLM-style full blocks)
     dtype: str = "float32"  # weights, activations and KV
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N": model, KV pool and step tensors
     jump_forward: bool = True  # draft the tokens a grammar forces and verify them in one step
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # host/disk KV tiers
 
     def __post_init__(self) -> None:
+        _check_device(self.device)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks < 2:
@@ -37,3 +45,18 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+
+def _check_device(device: str) -> None:
+    """Raise ValueError unless ``device`` is "cpu", or "cuda" / "cuda:N" naming a CUDA device
+    this process can use."""
+    if device == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch finds no CUDA device "
+                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but there are {torch.cuda.device_count()} CUDA devices")

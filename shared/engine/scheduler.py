@@ -161,7 +161,7 @@ class Scheduler:
         for ticket in self.kv.tiers.poll(timeout):
             self.kv.end_load(ticket)
             req = ticket.request
-            if not ticket.cancelled:
+            if not ticket.cancelled and not ticket.layerwise:  # a layerwise one never waited
                 del self.loading[req]
                 req.status = RequestStatus.WAITING
                 self.waiting[req] = None
@@ -209,6 +209,10 @@ class Scheduler:
             budget -= n + len(drafts)
         if not out.preempted and not urgent_step:
             self._admit([r for r in queue if r.status == RequestStatus.WAITING], budget, out)
+        if self.kv.tiers is not None and self.kv.tiers.num_layerwise_loading:
+            bs = self.kv.block_size
+            read = {b for c in out.chunks for b in c.block_table} | {s // bs for c in out.copies for s in c.src}
+            out.fences = self.kv.tiers.fences_reading(read)
         return out
 
     def _admit_preempting(self, queue: list[Request], budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
@@ -275,6 +279,8 @@ class Scheduler:
                 return  # no memory for its load: later requests must not overtake it
             if loading:
                 continue
+            if req.tier_handle is not None:  # a layer-by-layer load just cached its prefix
+                match = self.kv.match(req)
             n = self._try_start(req, match, budget, out)
             if n is None and self._release_loaded(req):
                 n = self._try_start(req, self.kv.match(req), budget, out)
@@ -297,7 +303,8 @@ class Scheduler:
         cost model prefers loading it: True if it now waits (on its load, or for a load slot
         while other loads hold ``MAX_TIER_LOADS`` slots or ``MAX_TIER_LOAD_FRAC`` of the pool),
         False if it should start now, None if its load found no device memory. The first load
-        is always allowed, so a deferred request never waits on nothing."""
+        is always allowed, so a deferred request never waits on nothing. A layer-by-layer load
+        (`HiCache.start_load`) caches its prefix at once and returns False: start now."""
         tiers = self.kv.tiers
         if tiers is None or req.tier_handle is not None:
             return False
@@ -312,6 +319,8 @@ class Scheduler:
             return True  # wait for a load slot: the loads in flight finish and are admitted first
         if not self.kv.start_load(req, match, hit):
             return None
+        if req.tier_load is None:  # layer by layer: its blocks are readable now
+            return False
         del self.waiting[req]
         self.loading[req] = None
         req.status = RequestStatus.WAITING_FOR_TIER_LOAD

@@ -1,10 +1,15 @@
-"""What the scheduler hands the runner each step: plain ints, no tensors."""
+"""What the scheduler hands the runner each step: plain ints, no tensors (and the fences of
+layer-by-layer tier loads the step must wait on)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.engine.kv.manager import SlotCopy
+
+if TYPE_CHECKING:
+    from shared.engine.kv.layer_fence import LayerFence
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)
     copies: list[SlotCopy] = field(default_factory=list)  # do before the forward pass
+    # Layer-by-layer tier loads into blocks this step reads: wait per layer (copies: wait all).
+    fences: tuple[LayerFence, ...] = ()
     preempted: list[str] = field(default_factory=list)
 
     @property

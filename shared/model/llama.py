@@ -30,6 +30,7 @@ class AttentionStep(Protocol):
 
     def attend(
         self,
+        layer: int,  # the layer's index (a paged step may wait for a layer's KV to land)
         q: torch.Tensor,  # [T, heads, head_dim], rotary applied
         k: torch.Tensor,  # [T, kv_heads, head_dim], rotary applied
         v: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -92,8 +93,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -116,7 +118,7 @@ class Attention(nn.Module):
         q = rotary(q.view(-1, self.num_heads, self.head_dim), positions)
         k = rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = step.attend(q, k, v, kv_cache, self.scale)
+        out = step.attend(self.layer, q, k, v, kv_cache, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -133,10 +135,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -153,7 +155,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

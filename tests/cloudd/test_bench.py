@@ -60,3 +60,19 @@ def test_trace_errors_name_the_line(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_trace(bad)
     assert len(load_trace(bundled_trace(), limit=5)) == 5
+
+
+def test_bench_compares_tier_variants(tiny_folder, capsys):
+    args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--limit", "8",
+            "--output-len", "2", "--tiers", "off,on,layerwise", "--device-pool-frac", "0.2", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    runs = json.loads(captured.out)["runs"]
+    assert set(runs) == {"tiers-off", "tiers-on", "tiers-layerwise"}
+    assert "tiers" not in runs["tiers-off"]
+    for name in ("tiers-on", "tiers-layerwise"):  # a request may end early by the small pool: in every run
+        assert runs[name]["requests"] == 8 and runs[name]["output_tokens"] == runs["tiers-off"]["output_tokens"]
+    assert runs["tiers-on"]["tiers"]["loads_layerwise"] == 0  # "auto" on a CPU: whole loads
+    assert runs["tiers-layerwise"]["tiers"]["loads_layerwise"] == runs["tiers-layerwise"]["tiers"]["loads"]
+    assert runs["tiers-on"]["vs_tiers_off"] > 0 and runs["tiers-layerwise"]["vs_whole_loads"] > 0
+    assert "layerwise:" in captured.err

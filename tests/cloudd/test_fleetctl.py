@@ -97,6 +97,15 @@ def test_views_fit_80_columns_and_show_the_fleet(fleet, view, expected):
     assert ROBOTS[1] not in text  # cut with an ellipsis
 
 
+def test_status_shows_the_kv_tiers(fleet):
+    tiers = {"hit_tokens": {"device": 71729, "host": 57846, "disk": 13453}, "loads": 140, "loads_layerwise": 120,
+             "bytes_moved": {"device_to_host": 2**30, "host_to_device": 2**29, "host_to_disk": 0, "disk_to_host": 0},
+             "load_mean_s": 0.0042, "loading": 2, "host_pages_used": 900, "host_pages_total": 1000, "disk_pages": 12}
+    text = " ".join(render(status_panel({**fleet.busy, "tiers": tiers})).split())
+    for shown in ("host 57,846", "140 loads (120 layer by layer)", "4.20 ms avg", "H→D 512 MB"):
+        assert shown in text, text
+
+
 @pytest.mark.parametrize("view", [status_panel, robots_table, requests_view, top_view])
 def test_views_of_an_idle_server_show_dashes(fleet, view):
     text = render(view(fleet.idle))

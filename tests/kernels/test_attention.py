@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention import paged_attention
+from kernels import attention
+from kernels.attention import attention_with_lse, paged_attention
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 
 BS, KVH, HEADS, DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
@@ -28,6 +31,17 @@ def dense(q, k, v, num_cached):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), num_decodes=st.integers(0, 5), num_prefills=st.integers(0, 3))
 def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
+    assert_paged_equals_dense(seed, num_decodes, num_prefills)
+
+
+def test_paged_attention_through_the_non_cpu_kernel_equals_dense(monkeypatch):
+    """What a CUDA device runs (`attention_with_lse` in every call), here on the CPU."""
+    monkeypatch.setattr(attention, "_flash_with_lse", attention_with_lse)
+    for seed in range(6):
+        assert_paged_equals_dense(seed, num_decodes=5, num_prefills=2)
+
+
+def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, BS, KVH, DIM)
@@ -110,3 +124,39 @@ def test_small_segments_stay_in_each_rows_own_gather():
         workspace=GatherWorkspace(BS * KVH * DIM, torch.float32), min_saved_tokens=9,  # saves 8
     )
     assert problems_of(meta) == {(0,): ([7, 8, 1], 10), (1,): ([7, 8, 2], 10)}
+
+
+def cpu_flash(q, k, v, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_shape", [(3, 1, 1, 20), (12, 20)])  # a decode batch's, a prefill's
+def test_attention_with_lse_matches_the_cpu_flash_kernel(dtype, mask_shape):
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 12, DIM, dtype=dtype)
+    k, v = torch.randn(2, 3, 2, 20, DIM, dtype=dtype)
+    hidden = torch.rand(mask_shape) < 0.5
+    hidden[..., 0] = False  # every row sees a key, as the metadata guarantees
+    mask = torch.zeros(mask_shape).masked_fill(hidden, float("-inf"))
+    out, lse = attention_with_lse(q, k, v, mask, scale=0.3)
+    want_out, want_lse = cpu_flash(q, k, v, mask, scale=0.3)
+    assert (out.shape, out.dtype, out.is_contiguous()) == (want_out.shape, want_out.dtype, True)
+    assert (lse.shape, lse.dtype, lse.is_contiguous()) == (want_lse.shape, want_lse.dtype, True)
+    out_tol, lse_tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-4)  # bf16 out: 1 ulp at 1.5
+    torch.testing.assert_close(out, want_out, atol=out_tol, rtol=out_tol)
+    torch.testing.assert_close(lse, want_lse, atol=lse_tol, rtol=lse_tol)
+
+
+def test_metadata_tensors_live_on_the_given_device():
+    meta = AttentionMetadata.build(
+        decode_block_tables=[[7, 8, 20], [7, 8, 21]], decode_context_lens=[10, 11], prefills=[([5, 6], 2, 5)],
+        slot_mapping=list(range(7)), block_size=BS, null_block=0,
+        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32, "meta"), query_group=3, min_saved_tokens=1,
+        device="meta",
+    )
+    tensors = [meta.slot_mapping, meta.decode_gather_buffer]
+    tensors += [getattr(part, f.name) for part in meta.decode_batches + meta.prefills
+                for f in dataclasses.fields(part) if isinstance(getattr(part, f.name), torch.Tensor)]
+    assert len(tensors) == 2 + 4 * len(meta.decode_batches) + 2 * len(meta.prefills)
+    assert all(t.is_meta for t in tensors)

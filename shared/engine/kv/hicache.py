@@ -17,8 +17,11 @@ least recently used unlocked page, spilling it to disk first when there is a dis
 
 Loads: the scheduler asks `find` for the tiers' extension of a request's device match; the
 cost model may decline it (recompute instead). `start_load` queues the copy into fresh device
-blocks; `poll` returns finished loads. All bookkeeping is on the engine thread; the copies run
-on the `TierCopier` worker, which holds no bookkeeping. Pure Python: no torch here.
+blocks; `poll` returns finished loads. A load of host pages only (none of them under another
+op) may run *layer by layer* (``layerwise``): the request is admitted at once and its forward
+pass waits for each layer's KV (`fences_reading`), so compute overlaps the rest of the copy.
+All bookkeeping is on the engine thread; the copies run on the `TierCopier` threads, which
+hold no bookkeeping. Pure Python: no torch here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.cost_model import LoadCostModel
@@ -38,6 +42,9 @@ from shared.engine.kv.page_hash import extend_page_hashes, page_hashes
 from shared.engine.kv.tier_ops import Backup, DeleteFiles, Load, OpDone, Prefetch, Spill, Tier, TierOp
 from shared.engine.kv.tier_stats import TierStats
 from shared.engine.request import Request
+
+if TYPE_CHECKING:
+    from shared.engine.kv.layer_fence import LayerFence
 
 PageHash = bytes
 
@@ -72,6 +79,11 @@ class LoadTicket:
     cancelled: bool = False  # the request ended meanwhile
 
     @property
+    def layerwise(self) -> bool:
+        """Its blocks are readable at once, layer by layer (``op.fence``); it cannot fail."""
+        return self.op is not None and self.op.fence is not None
+
+    @property
     def num_ok_tokens(self) -> int:
         """The match length the load achieved (the device match if nothing landed)."""
         if self.op is None or self.op.num_ok == 0:
@@ -83,8 +95,10 @@ class HiCache:
     """The tiers' bookkeeping and policies; ``copier`` executes the ops it queues."""
 
     def __init__(self, config: HiCacheConfig, pool: BlockPool, copier, num_host_pages: int,
-                 disk: DiskTier | None, seconds_per_token: Callable[[], float]) -> None:
+                 disk: DiskTier | None, seconds_per_token: Callable[[], float], layerwise: bool = False) -> None:
+        """``layerwise``: run loads of host pages layer by layer (`HiCacheConfig.layerwise_for`)."""
         self.config = config
+        self.layerwise = layerwise
         self.pool = pool
         self.page_size = pool.block_size
         self.copier = copier
@@ -143,10 +157,13 @@ class HiCache:
 
     def start_load(self, ticket: LoadTicket) -> None:
         """Queue the copy of ``ticket.hit``'s pages into ``ticket.blocks`` (one per page). A
-        disk page that finds no host page cuts the load short there."""
+        disk page that finds no host page cuts the load short there. With ``layerwise`` on, a
+        load whose pages are all on the host and under no other op (so they hold their data)
+        runs layer by layer (``ticket.layerwise``): it lands whole, and its hits count now."""
         hit, req = ticket.hit, ticket.request
         hashes = self.hashes(req, hit.start_page + len(hit.tiers))[hit.start_page:]
         pages, from_disk = [], []
+        quiet = True  # no page is read from disk or under another op
         for page_hash in hashes:
             page = self.host.lookup(page_hash)
             on_disk_only = page is None
@@ -154,12 +171,24 @@ class HiCache:
                 page = self._allocate_host(page_hash)
                 if page is None:
                     break
+            quiet = quiet and not on_disk_only and not self.host.is_locked(page)
             self.host.lock(page)
             pages.append(page)
             from_disk.append(on_disk_only)
-        ticket.op = Load(req.request_id, ticket.blocks[: len(pages)], pages, hashes[: len(pages)], from_disk)
+        fence = self.copier.new_fence() if self.layerwise and quiet and pages else None
+        ticket.op = Load(req.request_id, ticket.blocks[: len(pages)], pages, hashes[: len(pages)], from_disk,
+                         num_ok=len(pages) if fence else 0, fence=fence)
         self._loads[id(ticket.op)] = ticket
+        if fence is not None:
+            self.stats.loads_layerwise += 1
+            self._count_hits(ticket)
         self.copier.submit(ticket.op)
+
+    def fences_reading(self, blocks: set[int]) -> tuple[LayerFence, ...]:
+        """The fences of the layer-by-layer loads in flight into any of ``blocks``: a forward
+        pass that reads those blocks waits on them, layer by layer."""
+        return tuple(t.op.fence for t in self._loads.values()
+                     if t.layerwise and not blocks.isdisjoint(t.op.blocks))
 
     def poll(self, timeout: float | None = None) -> list[LoadTicket]:
         """Collect finished ops; returns the finished loads (cancelled ones too: the caller
@@ -174,6 +203,10 @@ class HiCache:
     @property
     def num_loading(self) -> int:
         return len(self._loads)
+
+    @property
+    def num_layerwise_loading(self) -> int:
+        return sum(t.layerwise for t in self._loads.values())
 
     def _complete(self, done: OpDone) -> LoadTicket | None:
         op, s = done.op, self.stats
@@ -209,15 +242,24 @@ class HiCache:
         if op.num_ok < len(op.hashes):  # the first unsound page: a miss from there on
             s.load_failures += 1
             self._forget(op.hashes[op.num_ok])
+            for page_hash, unread in zip(op.hashes[op.num_ok + 1:], op.from_disk[op.num_ok + 1:], strict=True):
+                if unread:  # its host page never got its bytes; the disk still has them
+                    self.host.discard(page_hash)
+                    self.on_page_moved(page_hash)
         s.loads += 1
         s.load_s += time.perf_counter() - ticket.submitted_at
-        if not ticket.cancelled and op.num_ok:
-            hit = ticket.hit
-            for i in range(op.num_ok):
-                gained = self.page_size - (hit.device_tokens % self.page_size if i == 0 else 0)
-                s.hit_tokens["disk" if op.from_disk[i] else "host"] += gained
-            ticket.request.num_tier_loaded_tokens += ticket.num_ok_tokens - hit.device_tokens
+        if not ticket.cancelled and not ticket.layerwise:
+            self._count_hits(ticket)
         return ticket
+
+    def _count_hits(self, ticket: LoadTicket) -> None:
+        """Credit the tiers with the tokens the load gains and tell its request how many of
+        its next admission's match came from them."""
+        op, hit = ticket.op, ticket.hit
+        for i in range(op.num_ok):
+            gained = self.page_size - (hit.device_tokens % self.page_size if i == 0 else 0)
+            self.stats.hit_tokens["disk" if op.from_disk[i] else "host"] += gained
+        ticket.request.num_tier_loaded_tokens += ticket.num_ok_tokens - hit.device_tokens
 
     # --- writes ----------------------------------------------------------------------------
 

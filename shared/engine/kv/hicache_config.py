@@ -21,6 +21,11 @@ class HiCacheConfig:
     # load only when the estimated copy time beats the estimated recompute time.
     min_load_tokens: int = 64
     prefetch: bool = True  # disk -> host when a request is queued, while the host has room
+    # Layer-by-layer loads of host pages: the request starts at once and each layer of its
+    # forward waits only for that layer's copy. "auto": on a GPU (the copy is asynchronous
+    # there, so nothing blocks); on a CPU a waiting layer blocks the step, so "auto" keeps
+    # loads whole (the request waits in WAITING_FOR_TIER_LOAD). "on" / "off" force it.
+    layerwise_load: str = "auto"
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -33,3 +38,9 @@ class HiCacheConfig:
             raise ValueError(f"disk_max_mb must be >= 0, got {self.disk_max_mb}")
         if self.min_load_tokens < 0:
             raise ValueError(f"min_load_tokens must be >= 0, got {self.min_load_tokens}")
+        if self.layerwise_load not in ("auto", "on", "off"):
+            raise ValueError(f"layerwise_load must be 'auto', 'on' or 'off', got {self.layerwise_load!r}")
+
+    def layerwise_for(self, on_gpu: bool) -> bool:
+        """Whether loads run layer by layer for a KV pool on a GPU (``on_gpu``) or a CPU."""
+        return self.layerwise_load == "on" or (self.layerwise_load == "auto" and on_gpu)

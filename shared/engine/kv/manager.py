@@ -144,29 +144,39 @@ class KVCacheManager:
         ticket = LoadTicket(req, match, hit, self.pool.allocate(len(hit.tiers)))
         req.tier_load = ticket
         self.tiers.start_load(ticket)
+        if ticket.layerwise:  # readable now (readers wait per layer): cache it, the request may start
+            req.tier_load = None
+            self._cache_loaded(ticket)
         return True
 
     def end_load(self, ticket: LoadTicket) -> None:
-        """A load finished: cache what landed in the index (the tree's slot-less nodes take
-        the loaded blocks as their slots) and keep it locked for the request
-        (``req.tier_handle``) until `admit`; drop the ticket's own refs and locks.
+        """A load finished: cache what landed in the index (unless a layer-by-layer load did
+        at its start) and drop the ticket's own refs and locks."""
+        if not ticket.layerwise:
+            ticket.request.tier_load = None
+            if not ticket.cancelled:
+                self._cache_loaded(ticket)
+        if ticket.hit.handle is not None:
+            self.index.unlock_lower(ticket.hit.handle)
+        self.index.unlock(ticket.match.handle)
+        self.pool.decref(ticket.blocks)
+
+    def _cache_loaded(self, ticket: LoadTicket) -> None:
+        """Insert the loaded tokens in the index (the tree's slot-less nodes take the loaded
+        blocks as their slots) and keep them locked for the request (``req.tier_handle``)
+        until `admit`.
 
         # | device match (tree's slots) | loaded pages (the ticket's blocks) |
         # 0                             m                                    num_ok_tokens
         """
         req, match, bs = ticket.request, ticket.match, self.block_size
-        req.tier_load = None
         end = ticket.num_ok_tokens
-        if not ticket.cancelled and end > match.num_tokens:
+        if end > match.num_tokens:
             first = ticket.hit.start_page
             new = [ticket.blocks[p // bs - first] * bs + p % bs for p in range(match.num_tokens, end)]
             handle = self.index.insert(req.token_ids_between(0, end), list(match.slots) + new)
             self.index.lock(handle)
             req.tier_handle = handle
-        if ticket.hit.handle is not None:
-            self.index.unlock_lower(ticket.hit.handle)
-        self.index.unlock(match.handle)
-        self.pool.decref(ticket.blocks)
 
     def release_waiting(self, req: Request) -> None:
         """Drop the lock a waiting request holds on its loaded prefix (admitted or ended)."""

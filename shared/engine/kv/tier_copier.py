@@ -1,10 +1,17 @@
-"""Runs HiCache's copy ops on one worker thread: device <-> host pages <-> disk files.
+"""Runs HiCache's copy ops on worker threads: device <-> host pages <-> disk files.
 
 The host tier is one tensor ``host  # [pages, layers, 2 (K/V), block_size, kv_heads, head_dim]``
 (pinned on a CUDA machine, so copies are asynchronous DMA). A page is one device KV block of
-every layer. On a GPU, device<->host copies run on a side stream that the worker synchronizes
-before reporting the op done; on a CPU they are plain copies on the worker thread. Either way
-the engine thread never waits for a copy: it polls ``completed()`` once per step.
+every layer. On a GPU, device<->host copies run on side streams that the workers synchronize
+before reporting an op done; on a CPU they are plain copies on the worker threads. Either way
+the engine thread never waits for a whole copy: it polls ``completed()`` once per step.
+
+Two threads: the *worker* runs ops in submission order (backups, spills, prefetches, loads
+that may read disk); the *loader* runs layer-by-layer loads (`Load.fence`), which read only
+host pages no other op touches and write fresh blocks, so they need no place in that order
+and never queue behind a disk read. The loader copies one layer at a time (on its own stream
+on a GPU) and signals each layer on the load's fence, so the forward pass of the request
+being loaded runs layer ``l`` while layers ``l + 1 ...`` are still copying.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import time
 import torch
 
 from shared.engine.kv.disk_tier import DiskTier
+from shared.engine.kv.layer_fence import LayerFence
 from shared.engine.kv.tier_ops import Backup, DeleteFiles, Load, OpDone, Prefetch, Spill, TierOp
 from shared.model.llama import KVCache
 
@@ -41,18 +49,25 @@ class TierCopier:
                                 pin_memory=pin)
         self._valid = bytearray(num_host_pages)  # worker-only: the page holds the data keyed to it
         self._stream = torch.cuda.Stream(device=k0.device) if k0.is_cuda else None
+        self._load_stream = torch.cuda.Stream(device=k0.device) if k0.is_cuda else None
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._layer_todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # submitted and not yet collected (engine thread)
         self._queued = 0  # submitted and not yet run (guarded by _cv)
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="hicache-copier", daemon=True)
         self._thread.start()
+        self._loader = threading.Thread(target=self._work_layers, name="hicache-loader", daemon=True)
+        self._loader.start()
 
     # --- engine thread -------------------------------------------------------------------
 
     def submit(self, op: TierOp) -> None:
         self._pending += 1
+        if isinstance(op, Load) and op.fence is not None:
+            self._layer_todo.put(op)
+            return
         with self._cv:
             self._queued += 1
         self._todo.put(op)
@@ -71,20 +86,27 @@ class TierCopier:
         self._pending -= len(done)
         return done
 
+    def new_fence(self) -> LayerFence:
+        """The fence of a layer-by-layer load into this copier's KV pool."""
+        return LayerFence(len(self.kv_caches), self._load_stream is not None)
+
     @property
     def pending(self) -> int:
         return self._pending
 
     def run_now(self, op: TierOp) -> OpDone:
         """Run ``op`` on the calling thread once every queued op has run (write-back at device
-        eviction: the block is reused right after, so its copy cannot wait in the queue)."""
+        eviction: the block is reused right after, so its copy cannot wait in the queue).
+        Layer-by-layer loads need not have run: they touch neither its blocks nor its pages."""
         with self._cv:
             self._cv.wait_for(lambda: self._queued == 0)
         return self._run(op)
 
     def close(self) -> None:
         self._todo.put(_STOP)
+        self._layer_todo.put(_STOP)
         self._thread.join(timeout=10)
+        self._loader.join(timeout=10)
 
     # --- worker ----------------------------------------------------------------------------
 
@@ -94,6 +116,13 @@ class TierCopier:
             with self._cv:
                 self._queued -= 1
                 self._cv.notify_all()
+
+    def _work_layers(self) -> None:
+        while (op := self._layer_todo.get()) is not _STOP:
+            start = time.perf_counter()
+            with torch.inference_mode(), _SideStream(self._load_stream):
+                self._copy_up(op.blocks, op.pages, op.fence)
+            self._done.put(OpDone(op, time.perf_counter() - start))
 
     def _run(self, op: TierOp) -> OpDone:
         start = time.perf_counter()
@@ -140,15 +169,30 @@ class TierCopier:
                 break
             n += 1
         op.num_ok = n
+        for page, from_disk in zip(op.pages[n:], op.from_disk[n:], strict=True):
+            if from_disk:  # never read: the page still holds its previous hash's bytes
+                self._valid[page] = 0
         if n == 0:
             return
-        dev = self.kv_caches[0][0].device
-        blocks = torch.tensor(op.blocks[:n], dtype=torch.int64, device=dev)
-        pages = torch.tensor(op.pages[:n], dtype=torch.int64)
         with self._on_side_stream():
-            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-                k_cache.index_copy_(0, blocks, self.host[pages, layer, 0].to(dev, non_blocking=True))
-                v_cache.index_copy_(0, blocks, self.host[pages, layer, 1].to(dev, non_blocking=True))
+            self._copy_up(op.blocks[:n], op.pages[:n])
+
+    def _copy_up(self, blocks: list[int], pages: list[int], fence: LayerFence | None = None) -> None:
+        """Host ``pages`` -> device ``blocks``, one layer at a time on the current stream, each
+        layer gathered into its own (pinned, on a GPU) staging tensor; ``fence`` is told as
+        each layer lands."""
+        dev = self.kv_caches[0][0].device
+        block_ids = torch.tensor(blocks, dtype=torch.int64, device=dev)
+        page_ids = torch.tensor(pages, dtype=torch.int64)
+        pin = self.host.is_pinned()
+        for layer, kv_cache in enumerate(self.kv_caches):
+            for kv, cache in enumerate(kv_cache):
+                src = self.host[:, layer, kv]  # [pages, block_size, kv_heads, head_dim], a view
+                staged = torch.empty((len(pages), *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
+                torch.index_select(src, 0, page_ids, out=staged)
+                cache.index_copy_(0, block_ids, staged.to(dev, non_blocking=True))
+            if fence is not None:
+                fence.landed(layer)
 
     def _on_side_stream(self):
         """A context that runs copies on the side stream and waits for them on exit (GPU)."""
@@ -156,6 +200,9 @@ class TierCopier:
 
 
 class _SideStream:
+    """Run on ``stream`` after the work already on the default stream; wait for it on exit.
+    A no-op on a CPU (``stream`` None)."""
+
     def __init__(self, stream) -> None:
         self.stream = stream
         self._ctx = None

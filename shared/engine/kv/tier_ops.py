@@ -1,7 +1,8 @@
 """The copy operations HiCache queues for the copy worker: plain ids, no tensors.
 
 The worker runs ops one at a time in submission order, so an op that reads a host page or a
-file always runs after the op that wrote it. Each op's ids stay reserved (device blocks ref'd,
+file always runs after the op that wrote it (layer-by-layer loads, which read only pages no
+other op touches, run on a loader thread of their own). Each op's ids stay reserved (device blocks ref'd,
 host pages locked) by the controller until the worker reports the op done.
 """
 
@@ -9,6 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engine.kv.layer_fence import LayerFence
 
 PageHash = bytes
 
@@ -51,7 +56,11 @@ class Prefetch:
 class Load:
     """Pages -> fresh device blocks for one request, in sequence order: page i comes from its
     disk file when ``from_disk[i]`` (through host page ``pages[i]``), else from host page
-    ``pages[i]``. Stops at the first unsound page; ``num_ok`` pages landed."""
+    ``pages[i]``. Stops at the first unsound page; ``num_ok`` pages landed.
+
+    With a ``fence`` the load is *layer by layer*: every page is a host page that no other op
+    touches (so it holds its data and cannot fail), it runs on its own loader thread beside
+    the queue, and ``fence`` tells readers when each layer has landed."""
 
     request_id: str
     blocks: list[int]
@@ -59,6 +68,7 @@ class Load:
     hashes: list[PageHash]
     from_disk: list[bool]
     num_ok: int = 0
+    fence: LayerFence | None = None
 
 
 @dataclass(eq=False)

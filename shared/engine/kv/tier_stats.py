@@ -12,6 +12,7 @@ class TierStats:
         "device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0})
     loads: int = 0
     loads_skipped: int = 0  # the cost model chose to recompute
+    loads_layerwise: int = 0  # of `loads`, run layer by layer under their request's forward
     load_failures: int = 0  # pages that were missing, torn or corrupt (read as misses)
     load_s: float = 0.0  # summed request waits, submit to completion
     write_ops: int = 0

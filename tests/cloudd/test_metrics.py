@@ -1,0 +1,34 @@
+"""Prometheus metrics follow the engine's cumulative HiCache counters."""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cloudd.metrics import ServerMetrics
+from shared.engine.engine import Engine
+from tests.hicache.test_generation_tiers import MODEL, returning_robots, tier_config
+from tests.hicache.test_layerwise_load import by_turns
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+
+
+def test_tier_counters_follow_the_engine():
+    engine = Engine(MODEL, None, tier_config(num_blocks=30, layerwise_load="on"))
+    metrics = ServerMetrics()
+    prompts = returning_robots(random.Random(1), robots=4, turns=3)
+    by_turns(engine, prompts[:8], robots=4)
+    metrics.on_engine(engine.stats())
+    by_turns(engine, prompts[8:], robots=4)
+    metrics.on_engine(engine.stats())  # counters add only what is new since the last call
+    t, got = engine.stats().tiers, samples(metrics)
+    assert t.loads_layerwise > 0
+    assert got["fleetserve_kv_tier_layerwise_loads_total", ()] == t.loads_layerwise
+    assert got["fleetserve_kv_tier_loads_total", ()] == t.loads
+    assert got["fleetserve_kv_tier_hit_tokens_total", (("tier", "host"),)] == t.hit_tokens["host"]
+    assert got["fleetserve_kv_tier_bytes_total", (("direction", "host_to_device"),)] == t.bytes_moved["host_to_device"]
+    engine.close()
