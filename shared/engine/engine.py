@@ -81,7 +81,8 @@ class EngineStats:
     preemptions: int
     deadline_misses: int  # requests ended by their deadline (waiting or running)
     steps: int
-    seconds_per_token: float  # measured compute rate (deadline admission uses it)
+    seconds_per_token: float  # measured step cost: per computed token ...
+    seconds_per_step: float  # ... plus per step (deadline admission and the tier cost model use it)
     awaiting_grammar: int = 0  # requests whose grammar is compiling
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
@@ -120,7 +121,8 @@ class Engine:
             (config.num_blocks - 1) * config.block_size,
         )
         self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size)
-        self.tiers = _make_tiers(config, self.pool, self.runner, lambda: self.scheduler.rate.seconds_per_token)
+        self.tiers = _make_tiers(config, self.pool, self.runner, lambda n: self.scheduler.rate.seconds_for(
+            n, self.scheduler.config.max_num_batched_tokens))
         self.scheduler = Scheduler(
             dataclasses.replace(config.scheduler, max_model_len=max_len),
             KVCacheManager(self.pool, self.index, self.tiers),
@@ -397,6 +399,7 @@ class Engine:
             deadline_misses=s.num_deadline_misses,
             steps=self.num_steps,
             seconds_per_token=s.rate.seconds_per_token,
+            seconds_per_step=s.rate.seconds_per_step,
             awaiting_grammar=len(s.awaiting_grammar),
             grammar_compiles=g.compiles if g else 0,
             grammar_cache_hits=g.cache_hits if g else 0,
@@ -460,7 +463,7 @@ class Engine:
 
 
 def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,
-                seconds_per_token: Callable[[], float]) -> HiCache | None:
+                recompute_seconds: Callable[[int], float]) -> HiCache | None:
     """The host (and disk) tiers of ``config.hicache``, or None when they are off."""
     from shared.engine.kv.tier_copier import TierCopier, page_bytes
 
@@ -473,7 +476,7 @@ def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,
         raise ValueError(f"[hicache] host_pool_mb {hc.host_pool_mb} holds no page ({size} bytes each)")
     disk = DiskTier(hc.disk_dir, int(hc.disk_max_mb * 2**20) // size) if hc.disk_dir else None
     copier = TierCopier(runner.kv_caches, num_host_pages, disk)
-    return HiCache(hc, pool, copier, num_host_pages, disk, seconds_per_token,
+    return HiCache(hc, pool, copier, num_host_pages, disk, recompute_seconds,
                    layerwise=hc.layerwise_for(on_gpu=runner.device.type == "cuda"))
 
 

@@ -168,14 +168,16 @@ class Scheduler:
 
     def first_token_eta(self, req: Request) -> float:
         """Seconds until ``req`` (not yet added) would get its first token: the prefill work
-        the policy puts ahead of it plus its own uncached prompt, at the measured rate. An
-        estimate for rejecting hopeless deadlines, 0 before any step has been measured."""
+        the policy puts ahead of it plus its own uncached prompt, in steps of the token budget
+        that also carry the running decodes, at the measured step cost. An estimate for
+        rejecting hopeless deadlines, 0 before any step has been measured."""
         now = self.clock()
         key = self.policy.key(req, now)
         ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
         ahead += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting if self.policy.key(r, now) <= key)
         own = req.num_tokens - self.kv.match(req).num_tokens
-        return self.rate.seconds_for(ahead + own)
+        decoding = sum(1 for r in self.running if not r.is_prefilling)
+        return self.rate.seconds_for(ahead + own, self.config.max_num_batched_tokens, riders=decoding)
 
     @property
     def has_unfinished(self) -> bool:

@@ -147,6 +147,26 @@ def test_a_deadline_that_cannot_be_met_is_rejected_at_submit_and_nothing_is_queu
     eng.submit(tokens(40, 9), greedy(4), "urgent", deadline_s=0.5, priority=Priority.SAFETY)  # ~0.4 s
 
 
+def test_a_decode_in_the_background_does_not_make_a_short_prompt_look_slow():
+    # every step costs 0.1 s whatever its size, as on a CPU at a small batch: a request
+    # decoding in the background must not make a 40-token prompt look like 40 decode steps
+    clock = FakeClock()
+    eng = fleet_engine(clock)
+    execute = eng.runner.execute
+
+    def timed(out):
+        clock.advance(0.1)
+        return execute(out)
+
+    eng.runner.execute = timed
+    eng.submit(tokens(40, 1), greedy(50), "background", buffered=False)
+    for _ in range(10):  # its prefill, then steps of one decode token
+        eng.step()
+    assert eng.scheduler.rate.seconds_per_step == pytest.approx(0.1)
+    assert eng.scheduler.first_token_eta(Request("probe", tokens(40, 2), greedy(4), 0, clock())) == pytest.approx(0.1)
+    eng.submit(tokens(40, 2), greedy(4), "urgent", deadline_s=0.5, priority=Priority.SAFETY)  # one step away
+
+
 def test_a_running_request_is_stopped_at_its_deadline_with_what_it_has():
     clock = FakeClock()
     eng = fleet_engine(clock)

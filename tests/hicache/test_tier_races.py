@@ -31,7 +31,7 @@ def make(tmp_path, host_pages: int, layerwise: bool = False):
     disk = DiskTier(tmp_path)
     copier = TierCopier(kv, host_pages, disk)
     config = HiCacheConfig(enabled=True, min_load_tokens=0)
-    return kv, pool, HiCache(config, pool, copier, host_pages, disk, lambda: 0.0, layerwise=layerwise)
+    return kv, pool, HiCache(config, pool, copier, host_pages, disk, lambda n: 0.0, layerwise=layerwise)
 
 
 def fill(kv, block: int, value: float) -> None:

@@ -63,7 +63,7 @@ def test_tier_load_extending_a_match_inside_a_long_locked_edge_is_served(tmp_pat
     first.generate([list(range(60, 90))], two)  # pushes B's pages from the 5 host pages to disk
     first.close()
     engine = Engine(MODEL, None, tier_config(num_blocks=11, disk_dir=str(tmp_path), host_mb=0.01))
-    engine.tiers.cost.seconds_per_token = lambda: 1.0  # loading always beats recomputing
+    engine.tiers.cost.recompute_seconds = lambda n: float(n)  # loading always beats recomputing
     engine.generate([a], two)
     (rb,) = engine.generate([b], two)
     assert rb.output_token_ids == expected.output_token_ids

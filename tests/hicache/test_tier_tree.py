@@ -25,7 +25,7 @@ def make(tmp_path, host_pages: int) -> tuple[KVCacheManager, HiCache]:
     pool = BlockPool(24, BS)
     disk = DiskTier(tmp_path)
     tiers = HiCache(HiCacheConfig(enabled=True, min_load_tokens=0), pool, TierCopier(kv, host_pages, disk),
-                    host_pages, disk, lambda: 0.0)
+                    host_pages, disk, lambda n: 0.0)
     return KVCacheManager(pool, RadixTree(pool), tiers), tiers
 
 

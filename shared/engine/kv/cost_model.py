@@ -1,7 +1,7 @@
 """Load or recompute? A lower-tier hit is loaded only when copying it is cheaper.
 
-Recompute time is the engine's measured seconds per computed token; load time is a fixed
-latency plus bytes over bandwidth per tier, both refined from the copies actually observed.
+Recompute time is the engine's measured step cost for that many tokens (`ServiceRate`); load
+time is a fixed latency plus bytes over bandwidth per tier, refined from the copies observed.
 Hits shorter than ``min_load_tokens`` are always recomputed (a config threshold: a short
 segment costs a step's worth of waiting for almost nothing).
 """
@@ -20,11 +20,11 @@ _LATENCY_S = {Tier.HOST: 1e-4, Tier.DISK: 1e-3}
 
 class LoadCostModel:
     def __init__(self, min_load_tokens: int, page_bytes: int, page_size: int,
-                 seconds_per_token: Callable[[], float]) -> None:
+                 recompute_seconds: Callable[[int], float]) -> None:
         self.min_load_tokens = min_load_tokens
         self.page_bytes = page_bytes
         self.page_size = page_size
-        self.seconds_per_token = seconds_per_token
+        self.recompute_seconds = recompute_seconds  # tokens -> measured seconds to compute them
         self.bandwidth = dict(_BANDWIDTH)
 
     def observe(self, tier: Tier, num_bytes: int, seconds: float) -> None:
@@ -43,7 +43,7 @@ class LoadCostModel:
         """True when loading ``num_tokens`` (in these pages) beats recomputing them."""
         if num_tokens < max(self.min_load_tokens, 1):
             return False
-        rate = self.seconds_per_token()
-        if rate <= 0:  # nothing measured yet: trust the threshold
+        recompute = self.recompute_seconds(num_tokens)
+        if recompute <= 0:  # nothing measured yet: trust the threshold
             return True
-        return self.load_seconds(host_pages, disk_pages) < num_tokens * rate
+        return self.load_seconds(host_pages, disk_pages) < recompute

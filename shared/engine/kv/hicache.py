@@ -95,8 +95,10 @@ class HiCache:
     """The tiers' bookkeeping and policies; ``copier`` executes the ops it queues."""
 
     def __init__(self, config: HiCacheConfig, pool: BlockPool, copier, num_host_pages: int,
-                 disk: DiskTier | None, seconds_per_token: Callable[[], float], layerwise: bool = False) -> None:
-        """``layerwise``: run loads of host pages layer by layer (`HiCacheConfig.layerwise_for`)."""
+                 disk: DiskTier | None, recompute_seconds: Callable[[int], float], layerwise: bool = False) -> None:
+        """``recompute_seconds``: tokens -> the engine's measured time to compute them (the cost
+        model's alternative to a load). ``layerwise``: run loads of host pages layer by layer
+        (`HiCacheConfig.layerwise_for`)."""
         self.config = config
         self.layerwise = layerwise
         self.pool = pool
@@ -104,7 +106,7 @@ class HiCache:
         self.copier = copier
         self.host = HostPagePool(num_host_pages)
         self.disk = disk
-        self.cost = LoadCostModel(config.min_load_tokens, copier.page_bytes, self.page_size, seconds_per_token)
+        self.cost = LoadCostModel(config.min_load_tokens, copier.page_bytes, self.page_size, recompute_seconds)
         self.stats = TierStats(host_pages_total=num_host_pages)
         self._loads: dict[int, LoadTicket] = {}  # by id(op)
         self._held_blocks: dict[int, list[int]] = {}  # by id(op): blocks ref'd by backups in flight
