@@ -67,6 +67,8 @@ class ServerMetrics:
         self.tier_loads = Counter("fleetserve_kv_tier_loads", "Tier loads finished", registry=r)
         self.tier_layerwise_loads = Counter("fleetserve_kv_tier_layerwise_loads", "Tier loads run layer by layer "
                                             "under their request's forward", registry=r)
+        self.tier_copy_errors = Counter("fleetserve_kv_tier_copy_errors", "Tier copies that raised (disk or device "
+                                        "errors; logged)", registry=r)
         self.tier_write_seconds = Counter("fleetserve_kv_tier_write_seconds", "Summed tier write (backup, spill) time",
                                           registry=r)
         self._last: dict[object, float] = {}
@@ -112,7 +114,8 @@ class ServerMetrics:
         pairs = [(self.tier_hit_tokens.labels(k), v) for k, v in t.hit_tokens.items()]
         pairs += [(self.tier_bytes.labels(k), v) for k, v in t.bytes_moved.items()]
         pairs += [(self.tier_load_seconds, t.load_s), (self.tier_loads, t.loads),
-                  (self.tier_layerwise_loads, t.loads_layerwise), (self.tier_write_seconds, t.write_s)]
+                  (self.tier_layerwise_loads, t.loads_layerwise), (self.tier_copy_errors, t.copy_errors),
+                  (self.tier_write_seconds, t.write_s)]
         for counter, total in pairs:
             counter.inc(total - self._last.get(counter, 0))
             self._last[counter] = total

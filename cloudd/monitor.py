@@ -11,7 +11,7 @@ snapshot it builds is plain data (msgpack-able), with this shape::
                 "deadline_misses": int, "steps": int},
      "tiers": None | {"hit_tokens": {"device", "host", "disk"}, "bytes_moved": {"device_to_host",
                "host_to_device", "host_to_disk", "disk_to_host"}, "loads", "loads_skipped", "loads_layerwise",
-               "load_failures", "load_mean_s", "write_mean_s", "loading", "host_pages_used",
+               "load_failures", "copy_errors", "load_mean_s", "write_mean_s", "loading", "host_pages_used",
                "host_pages_total", "disk_pages", ...},  # HiCache, when the KV tiers are on
      "grammar": {"awaiting": int, "compiles": int, "cache_hits": int, "compile_s": float,
                  "mask_s": float, "forced_tokens": int},

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.grammar.matcher import GrammarState
+from shared.engine.kv.hicache import TierCopyError
 from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixMatch
 from shared.engine.kv.radix import common_prefix_len
@@ -155,16 +156,23 @@ class Scheduler:
 
     def admit_loaded(self, timeout: float | None = None) -> None:
         """Requeue the requests whose tier load finished (their loaded prefix now cached and
-        locked for them). With ``timeout``, wait that long for a load when none has finished."""
+        locked for them). With ``timeout``, wait that long for a load when none has finished.
+        Raises `TierCopyError` (after releasing every finished load) when a layer-by-layer
+        load failed."""
         if self.kv.tiers is None:
             return
+        broken = []
         for ticket in self.kv.tiers.poll(timeout):
             self.kv.end_load(ticket)
             req = ticket.request
+            if ticket.layerwise and ticket.error is not None:
+                broken.append(f"{req.request_id}: {ticket.error}")
             if not ticket.cancelled and not ticket.layerwise:  # a layerwise one never waited
                 del self.loading[req]
                 req.status = RequestStatus.WAITING
                 self.waiting[req] = None
+        if broken:
+            raise TierCopyError(f"layer-by-layer KV loads failed after their requests started ({'; '.join(broken)})")
 
     def first_token_eta(self, req: Request) -> float:
         """Seconds until ``req`` (not yet added) would get its first token: the prefill work

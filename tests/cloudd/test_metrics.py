@@ -29,6 +29,7 @@ def test_tier_counters_follow_the_engine():
     assert t.loads_layerwise > 0
     assert got["fleetserve_kv_tier_layerwise_loads_total", ()] == t.loads_layerwise
     assert got["fleetserve_kv_tier_loads_total", ()] == t.loads
+    assert got["fleetserve_kv_tier_copy_errors_total", ()] == t.copy_errors == 0
     assert got["fleetserve_kv_tier_hit_tokens_total", (("tier", "host"),)] == t.hit_tokens["host"]
     assert got["fleetserve_kv_tier_bytes_total", (("direction", "host_to_device"),)] == t.bytes_moved["host_to_device"]
     engine.close()

@@ -49,6 +49,12 @@ if TYPE_CHECKING:
 PageHash = bytes
 
 
+class TierCopyError(RuntimeError):
+    """A layer-by-layer load raised (a device error) after its request started reading it: the
+    KV it cached for that prefix never landed, so the engine's output can no longer be trusted
+    (restart the daemon). Whole loads and writes that raise only turn into misses."""
+
+
 @dataclass(frozen=True)
 class TierHit:
     """Pages [start_page, start_page + len(tiers)) of a request, found below the device."""
@@ -77,6 +83,7 @@ class LoadTicket:
     op: Load | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # the request ended meanwhile
+    error: str | None = None  # the copy raised: nothing landed
 
     @property
     def layerwise(self) -> bool:
@@ -212,14 +219,24 @@ class HiCache:
 
     def _complete(self, done: OpDone) -> LoadTicket | None:
         op, s = done.op, self.stats
+        s.copy_errors += done.error is not None
         if isinstance(op, Backup):
             self.pool.decref(self._held_blocks.pop(id(op)))
             self._unlock(op.pages)
+            if done.error is not None:
+                for page_hash in op.hashes:
+                    self._forget(page_hash)
+                return None
             s.write_ops += 1
             s.write_s += done.seconds
             s.bytes_moved["device_to_host"] += len(op.pages) * self.copier.page_bytes
         elif isinstance(op, Spill):
             self._unlock(op.pages)
+            if done.error is not None:  # the files may be missing or partial
+                for page_hash in op.hashes:
+                    self.disk.discard(page_hash)
+                    self.on_page_moved(page_hash)
+                return None
             s.write_ops += 1
             s.write_s += done.seconds
             s.bytes_moved["host_to_disk"] += len(op.pages) * self.copier.page_bytes
@@ -236,6 +253,7 @@ class HiCache:
 
     def _complete_load(self, ticket: LoadTicket, done: OpDone) -> LoadTicket:
         op, s, pb = ticket.op, self.stats, self.copier.page_bytes
+        ticket.error = done.error
         self._unlock(op.pages)
         num_disk = sum(op.from_disk[: op.num_ok])
         s.bytes_moved["disk_to_host"] += num_disk * pb
@@ -337,6 +355,11 @@ class HiCache:
             hashes.append(keys[k])
         if pages:
             done = self.copier.run_now(Backup(blocks, pages, hashes))
+            if done.error is not None:
+                self.stats.copy_errors += 1
+                for page_hash in hashes:
+                    self._forget(page_hash)
+                return keys
             self.stats.write_ops += 1
             self.stats.write_s += done.seconds
             self.stats.bytes_moved["device_to_host"] += len(pages) * self.copier.page_bytes

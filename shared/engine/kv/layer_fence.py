@@ -21,9 +21,11 @@ class LayerFence:
     """Per-layer "landed" signals of one load. ``landed`` is called by the loader thread (on
     the load stream, on CUDA), every other method by the engine thread."""
 
-    def __init__(self, num_layers: int, cuda: bool) -> None:
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        """``device``: the KV pool's (CUDA: readers wait on its current stream)."""
+        self._device = device
         self._issued = [threading.Event() for _ in range(num_layers)]
-        self._events = [torch.cuda.Event() for _ in range(num_layers)] if cuda else None
+        self._events = [torch.cuda.Event() for _ in range(num_layers)] if device.type == "cuda" else None
 
     def landed(self, layer: int) -> None:
         """Layer ``layer``'s K and V are in their device blocks (CPU), or their copy is on the
@@ -36,7 +38,12 @@ class LayerFence:
         """Make what the caller runs next (on its current stream) see layer ``layer``."""
         self._issued[layer].wait()
         if self._events is not None:
-            torch.cuda.current_stream().wait_event(self._events[layer])
+            torch.cuda.current_stream(self._device).wait_event(self._events[layer])
 
     def wait_all(self) -> None:
         self.wait(len(self._issued) - 1)
+
+    def release(self) -> None:
+        """Let every reader through: the loader failed (the load reports its error)."""
+        for issued in self._issued:
+            issued.set()

@@ -16,6 +16,7 @@ being loaded runs layer ``l`` while layers ``l + 1 ...`` are still copying.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from shared.engine.kv.tier_ops import Backup, DeleteFiles, Load, OpDone, Prefetc
 from shared.model.llama import KVCache
 
 _STOP = object()
+log = logging.getLogger(__name__)
 
 
 def page_bytes(kv_caches: list[KVCache]) -> int:
@@ -88,7 +90,7 @@ class TierCopier:
 
     def new_fence(self) -> LayerFence:
         """The fence of a layer-by-layer load into this copier's KV pool."""
-        return LayerFence(len(self.kv_caches), self._load_stream is not None)
+        return LayerFence(len(self.kv_caches), self.kv_caches[0][0].device)
 
     @property
     def pending(self) -> int:
@@ -119,34 +121,53 @@ class TierCopier:
 
     def _work_layers(self) -> None:
         while (op := self._layer_todo.get()) is not _STOP:
-            start = time.perf_counter()
-            with torch.inference_mode(), _SideStream(self._load_stream):
-                self._copy_up(op.blocks, op.pages, op.fence)
-            self._done.put(OpDone(op, time.perf_counter() - start))
+            start, error = time.perf_counter(), None
+            try:
+                with torch.inference_mode(), _SideStream(self._load_stream):
+                    self._copy_up(op.blocks, op.pages, op.fence)
+            except Exception as e:  # a device error: report it, never leave a reader waiting
+                log.exception("KV tier layer-by-layer load of %s failed", op.request_id)
+                op.fence.release()
+                error = repr(e)
+            self._done.put(OpDone(op, time.perf_counter() - start, error))
 
     def _run(self, op: TierOp) -> OpDone:
         start = time.perf_counter()
-        with torch.inference_mode():
-            if isinstance(op, Backup):
-                self._backup(op)
-            elif isinstance(op, Spill):
-                self._spill(op)
+        try:
+            with torch.inference_mode():
+                if isinstance(op, Backup):
+                    self._backup(op)
+                elif isinstance(op, Spill):
+                    self._spill(op)
+                elif isinstance(op, Prefetch):
+                    op.ok = [self._read_page(h, p) for h, p in zip(op.hashes, op.pages, strict=True)]
+                elif isinstance(op, Load):
+                    self._load(op)
+                elif isinstance(op, DeleteFiles):
+                    for h in op.hashes:
+                        self.disk.delete_file(h)
+        except Exception as e:  # a disk or device error: the op promised nothing (HiCache forgets its pages)
+            log.exception("KV tier %s failed", type(op).__name__)
+            if isinstance(op, Load):
+                op.num_ok = 0
             elif isinstance(op, Prefetch):
-                op.ok = [self._read_page(h, p) for h, p in zip(op.hashes, op.pages, strict=True)]
-            elif isinstance(op, Load):
-                self._load(op)
-            elif isinstance(op, DeleteFiles):
-                for h in op.hashes:
-                    self.disk.delete_file(h)
+                op.ok = [False] * len(op.pages)
+            return OpDone(op, time.perf_counter() - start, repr(e))
         return OpDone(op, time.perf_counter() - start)
 
     def _backup(self, op: Backup) -> None:
         blocks = torch.tensor(op.blocks, dtype=torch.int64, device=self.kv_caches[0][0].device)
         pages = torch.tensor(op.pages, dtype=torch.int64)
+        for p in op.pages:
+            self._valid[p] = 0
         with self._on_side_stream():
-            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-                self.host[pages, layer, 0] = k_cache.index_select(0, blocks).to("cpu", non_blocking=True)
-                self.host[pages, layer, 1] = v_cache.index_select(0, blocks).to("cpu", non_blocking=True)
+            # NOTE: on a GPU these are pinned temporaries whose copies are still in flight; they
+            # are complete only once the side stream is synchronized (on leaving this block).
+            staged = [[cache.index_select(0, blocks).to("cpu", non_blocking=True) for cache in kv_cache]
+                      for kv_cache in self.kv_caches]
+        for layer, pair in enumerate(staged):
+            for kv, tensor in enumerate(pair):
+                self.host[pages, layer, kv] = tensor
         for p in op.pages:
             self._valid[p] = 1
 

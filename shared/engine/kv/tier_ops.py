@@ -83,3 +83,4 @@ TierOp = Backup | Spill | Prefetch | Load | DeleteFiles
 class OpDone:
     op: TierOp
     seconds: float  # time the worker spent on it
+    error: str | None = None  # the op raised (logged): its pages may hold nothing it promised

@@ -14,6 +14,7 @@ class TierStats:
     loads_skipped: int = 0  # the cost model chose to recompute
     loads_layerwise: int = 0  # of `loads`, run layer by layer under their request's forward
     load_failures: int = 0  # pages that were missing, torn or corrupt (read as misses)
+    copy_errors: int = 0  # ops that raised (a disk or device error, logged): their pages are forgotten
     load_s: float = 0.0  # summed request waits, submit to completion
     write_ops: int = 0
     write_s: float = 0.0  # summed worker time of backups and spills
