@@ -294,7 +294,7 @@ class EdgeServer:
         if req is None or req.reason is not None or not req.msg.stream or not (tokens or text):
             return
         req.streamed.append(text)
-        self._chunk(req, tokens, text)
+        self._chunk(req, tokens, text, Source.EDGE)
 
     def _on_local_done(self, rid: str) -> None:
         req = self.live.get(rid)
@@ -412,7 +412,7 @@ class EdgeServer:
 
     def _answer(self, req: EdgeRequest, result: Result) -> None:
         if req.msg.stream and result.text != "".join(req.streamed):
-            self._chunk(req, list(result.token_ids), result.text)
+            self._chunk(req, list(result.token_ids), result.text, result.source)
         if result.source is Source.CLOUD:
             self.counters.answered_cloud += 1
         else:
@@ -430,8 +430,8 @@ class EdgeServer:
         for identity in req.entry.subscribers:
             self._send(identity, reply)
 
-    def _chunk(self, req: EdgeRequest, tokens: list[int], text: str) -> None:
-        chunk = Chunk(req.msg.request_id, req.entry.next_seq, tuple(tokens), text)
+    def _chunk(self, req: EdgeRequest, tokens: list[int], text: str, source: Source) -> None:
+        chunk = Chunk(req.msg.request_id, req.entry.next_seq, tuple(tokens), text, source)
         req.entry.chunks.append(chunk)
         for identity in req.entry.subscribers:
             self._send(identity, chunk)

@@ -122,12 +122,12 @@ class PlanClient:
                     yield PlanDone(plan)
                     return
                 if reply.text:
-                    yield PlanText(reply.text)
+                    yield PlanText(reply.text, reply.source.value)
                 for index, element in scanner.feed(reply.text):
                     step = prepared.checker.step(_decode_element(element, prepared), index, scanner.text)
                     if step is not None:
                         streamed.append(step)
-                        yield PlanStepEvent(index, step)
+                        yield PlanStepEvent(index, step, reply.source.value)
         finally:
             if not ended:  # abandoned, invalid or timed out: stop the daemon's work
                 self.cancel_nowait(prepared.generate.request_id)

@@ -72,17 +72,20 @@ class ChatReply:
 
 @dataclasses.dataclass(frozen=True)
 class PlanText:
-    """Newly generated text of a streamed plan."""
+    """Newly generated text of a streamed plan, and the tier writing it."""
 
     text_delta: str
+    source: Source
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanStepEvent:
-    """Step ``index`` of a streamed plan, validated, as soon as its JSON object closed."""
+    """Step ``index`` of a streamed plan, validated, as soon as its JSON object closed, and the
+    tier that wrote it (an ``auto`` plan's events say where edged runs it)."""
 
     index: int
     step: PlanStep
+    source: Source
 
 
 @dataclasses.dataclass(frozen=True)

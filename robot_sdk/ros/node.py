@@ -276,6 +276,7 @@ class FleetServeNode(LifecycleNode):
                 if isinstance(event, PlanText):
                     feedback.text_chars += len(event.text_delta)
                 elif isinstance(event, PlanStepEvent):
+                    feedback.source = event.source
                     feedback.step_index = event.index
                     feedback.steps_json.append(json.dumps(event.step.to_dict()))
                     goal_handle.publish_feedback(feedback)
@@ -302,8 +303,8 @@ class FleetServeNode(LifecycleNode):
         return f"{self._robot_id}-{uuid.UUID(bytes=bytes(goal_handle.goal_id.uuid)).hex}"
 
     def _expected_source(self, args: PlanArgs) -> str:
-        """Where a plan runs before the daemon says: cloudd always in the cloud; edged where a
-        forced escalation sends it ("" for auto, which edged decides per request)."""
+        """Where a plan runs before its first step says: cloudd always in the cloud; edged where
+        a forced escalation sends it ("" for auto, which edged decides per request)."""
         if self._tier == "cloud":
             return "cloud"
         if self._tier == "edge":

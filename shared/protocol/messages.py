@@ -137,13 +137,16 @@ class Health:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Streamed progress; ``seq`` counts from 0 so a reconnecting client can resume."""
+    """Streamed progress; ``seq`` counts from 0 so a reconnecting client can resume. ``source``:
+    the tier generating it (edged says ``edge`` while the robot's model writes, ``cloud`` for
+    text the cloud wrote)."""
 
     TYPE: ClassVar[str] = "chunk"
     request_id: str
     seq: int
     token_ids: tuple[int, ...]
     text: str
+    source: Source = Source.CLOUD
 
 
 @dataclass(frozen=True)

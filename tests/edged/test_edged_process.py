@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from robot_sdk import PlanClient
+from robot_sdk import PlanClient, PlanDone, PlanStepEvent, PlanText
 from shared.daemon_process import DaemonProcess
 from shared.engine.grammar.response_format import fleet_plan_format
-from shared.protocol.messages import ChatMessage, ErrorCode, Escalation, Generate, Result, Sampling
+from shared.protocol.messages import ChatMessage, ErrorCode, Escalation, Generate, Result, Sampling, Source
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve, create_keys
 
@@ -141,6 +141,16 @@ def test_a_stream_answered_locally_arrives_in_chunks(client):
     events = list(client.stream(request("stream-1", max_tokens=12), timeout_s=120))
     assert isinstance(events[-1], Result) and len(events) > 2
     assert "".join(e.text for e in events[:-1]) == events[-1].text
+    assert all(e.source is Source.EDGE for e in events)
+
+
+def test_a_plan_streamed_on_the_robot_says_so_from_its_first_step(edge):
+    with PlanClient(endpoint(edge, "tcp"), robot_id="amr-031", timeout_s=120) as robot:
+        events = list(robot.stream("go to waypoint 17.", skills=[goto], escalation="local", max_steps=1,
+                                   max_tokens=64))
+    steps = [e for e in events if isinstance(e, PlanStepEvent)]
+    assert steps and {e.source for e in events if isinstance(e, PlanText | PlanStepEvent)} == {"edge"}
+    assert isinstance(events[-1], PlanDone) and events[-1].plan.source == "edge"
 
 
 def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(client):

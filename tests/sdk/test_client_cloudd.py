@@ -87,6 +87,7 @@ def test_a_stream_yields_each_step_before_the_plan_is_complete(client):
     assert isinstance(events[-1], PlanDone) and received == plan.text
     assert [e.step for e in events if isinstance(e, PlanStepEvent)] == list(plan.steps)
     assert len(at_step) == len(plan.steps) and all(len(t) < len(plan.text) for t in at_step)
+    assert {e.source for e in events[:-1]} == {"cloud"} == {plan.source}
 
 
 def test_cancel_mid_stream_ends_the_stream_with_cancelled(client):
