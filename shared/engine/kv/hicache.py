@@ -220,26 +220,17 @@ class HiCache:
     def _complete(self, done: OpDone) -> LoadTicket | None:
         op, s = done.op, self.stats
         s.copy_errors += done.error is not None
-        if isinstance(op, Backup):
-            self.pool.decref(self._held_blocks.pop(id(op)))
+        if isinstance(op, Backup | Spill):
+            self.pool.decref(self._held_blocks.pop(id(op), ()))  # none for a write-back run now
             self._unlock(op.pages)
-            if done.error is not None:
+            if done.error is not None:  # its host pages or files may hold nothing: no tier claims them
                 for page_hash in op.hashes:
                     self._forget(page_hash)
                 return None
             s.write_ops += 1
             s.write_s += done.seconds
-            s.bytes_moved["device_to_host"] += len(op.pages) * self.copier.page_bytes
-        elif isinstance(op, Spill):
-            self._unlock(op.pages)
-            if done.error is not None:  # the files may be missing or partial
-                for page_hash in op.hashes:
-                    self.disk.discard(page_hash)
-                    self.on_page_moved(page_hash)
-                return None
-            s.write_ops += 1
-            s.write_s += done.seconds
-            s.bytes_moved["host_to_disk"] += len(op.pages) * self.copier.page_bytes
+            s.bytes_moved["device_to_host" if isinstance(op, Backup) else "host_to_disk"] += \
+                len(op.pages) * self.copier.page_bytes
         elif isinstance(op, Prefetch):
             self._unlock(op.pages)
             for page_hash, ok in zip(op.hashes, op.ok, strict=True):
@@ -350,19 +341,12 @@ class HiCache:
             page = self._allocate_host(keys[k])
             if page is None:
                 break
+            self.host.lock(page)
             blocks.append(block)
             pages.append(page)
             hashes.append(keys[k])
         if pages:
-            done = self.copier.run_now(Backup(blocks, pages, hashes))
-            if done.error is not None:
-                self.stats.copy_errors += 1
-                for page_hash in hashes:
-                    self._forget(page_hash)
-                return keys
-            self.stats.write_ops += 1
-            self.stats.write_s += done.seconds
-            self.stats.bytes_moved["device_to_host"] += len(pages) * self.copier.page_bytes
+            self._complete(self.copier.run_now(Backup(blocks, pages, hashes)))
         return keys
 
     def prefetch(self, req: Request, device_tokens: int) -> None:
