@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.hicache_config import HiCacheConfig
+from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import SchedulerConfig
 from tests.engine.tiny import tiny_model
@@ -41,14 +42,18 @@ def tier_config(num_blocks: int, policy: str = "write_through", disk_dir: str = 
 
 
 def one_by_one(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt runs alone (a robot returns after the previous turn finished)."""
-    outs = []
+    """Each prompt runs alone (a robot returns after the previous turn finished); its outputs."""
+    return [req.output_token_ids for req in one_by_one_requests(engine, prompts)]
+
+
+def one_by_one_requests(engine: Engine, prompts: list[list[int]]) -> list[Request]:
+    reqs = []
     for p in prompts:
         (req,) = engine.generate([p], GREEDY)
-        outs.append(req.output_token_ids)
+        reqs.append(req)
         assert engine.tiers is None or engine.tiers.drain() == []
         engine.scheduler.kv.check_integrity([])
-    return outs
+    return reqs
 
 
 def never_evicted(prompts: list[list[int]]) -> list[list[int]]:
@@ -83,15 +88,22 @@ def test_host_spills_to_disk_and_reloads_identically(tmp_path):
 def test_restart_with_warm_disk_tier_hits(tmp_path):
     prompts = returning_robots(random.Random(3), robots=3, turns=2)
     first = Engine(MODEL, None, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))
-    expected = one_by_one(first, prompts)
+    first_reqs = one_by_one_requests(first, prompts)
     first.close()
     assert any(tmp_path.glob("*/*.kv"))
     restarted = Engine(MODEL, None, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))
-    assert one_by_one(restarted, prompts) == expected
-    stats = restarted.stats()
-    assert stats.tiers.hit_tokens["disk"] > 0
-    # the second pass over the same prompts reuses (nearly) everything the first one computed
-    assert stats.cache_hit_tokens > 0.8 * stats.prompt_tokens
+    restart_reqs = one_by_one_requests(restarted, prompts)
+    assert [r.output_token_ids for r in restart_reqs] == [r.output_token_ids for r in first_reqs]
+    first_hits = [r.num_cached_tokens for r in first_reqs]
+    restart_hits = [r.num_cached_tokens for r in restart_reqs]
+    # The first engine's pages are on disk: the robot that came in cold now starts from them
+    # (its load is decided before any step is measured, so the cost model cannot decline it;
+    # a prefetch may have brought the pages up to the empty host tier first, so they count as
+    # host or disk hits). No request reuses less than in the first engine (same pool, same order).
+    tier_hits = restarted.stats().tiers.hit_tokens
+    assert tier_hits["host"] + tier_hits["disk"] > 0
+    assert first_hits[0] == 0 and restart_hits[0] >= restarted.config.block_size
+    assert all(again >= before for again, before in zip(restart_hits, first_hits, strict=True))
     restarted.close()
 
 
