@@ -166,7 +166,8 @@ def _summary_lines(snap: Snapshot) -> list[tuple[str, str]]:
         ("throughput", f"{fmt(tp.get('output_tok_s'), '.1f')} tok/s · {fmt(tp.get('requests_per_s'), '.2f')} req/s"
                        f" (last {fmt_seconds(tp.get('window_s'))})"),
         ("batch", f"{fmt(eng.get('running'))} running · {fmt(eng.get('waiting'))} waiting"
-                  f" · {fmt(eng.get('preemptions'))} preemptions · {fmt(eng.get('steps'), ',')} steps"),
+                  f" · {fmt(eng.get('preemptions'))} preemptions · {fmt(eng.get('steps'), ',')} steps"
+                  f" · {eng.get('dtype') or '-'}"),
         ("KV cache", f"{fmt(used)}/{fmt(total)} blocks ({fmt(kv_share, '.1%')})"
                      f" · {fmt(eng.get('kv_blocks_in_requests'))} in requests"
                      f" · prefix hits {fmt(eng.get('prefix_hit_rate'), '.1%')}"),

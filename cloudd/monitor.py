@@ -8,7 +8,7 @@ snapshot it builds is plain data (msgpack-able), with this shape::
      "engine": {"running": int, "waiting": int, "kv_blocks_used": int, "kv_blocks_total": int,
                 "kv_blocks_in_requests": int, "prefix_hit_rate": float, "prompt_tokens": int,
                 "cache_hit_tokens": int, "cached_tokens": int, "preemptions": int,
-                "deadline_misses": int, "steps": int},
+                "deadline_misses": int, "steps": int, "dtype": str},
      "tiers": None | {"hit_tokens": {"device", "host", "disk"}, "bytes_moved": {"device_to_host",
                "host_to_device", "host_to_disk", "disk_to_host"}, "loads", "loads_skipped", "loads_layerwise",
                "load_failures", "copy_errors", "load_mean_s", "write_mean_s", "loading", "host_pages_used",
@@ -174,6 +174,7 @@ class FleetMonitor:
                 "preemptions": engine.preemptions,
                 "deadline_misses": engine.deadline_misses,
                 "steps": engine.steps,
+                "dtype": engine.dtype,
             },
             "tiers": None if engine.tiers is None else {**engine.tiers.as_dict(), "loading": engine.tier_loading},
             "grammar": {

@@ -91,6 +91,7 @@ class EngineStats:
     forced_tokens: int = 0  # output tokens from jump-forward drafts: decode steps saved
     tier_loading: int = 0  # requests waiting for their prefix to load from the KV tiers
     tiers: TierStats | None = None  # HiCache counters, when the tiers are on
+    dtype: str = "float32"  # what the model, activations and KV compute in
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -408,6 +409,7 @@ class Engine:
             forced_tokens=s.num_forced_tokens,
             tier_loading=len(s.loading),
             tiers=dataclasses.replace(self.tiers.snapshot()) if self.tiers is not None else None,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
         )
 
     # --- internals -------------------------------------------------------------------------

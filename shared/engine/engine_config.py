@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.dtype_choice import DTYPE_NAMES, DtypeChoice, resolve_dtype
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.scheduler import SchedulerConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 2048  # KV pool size in blocks, including the reserved null block
     prefix_index: str = "radix"  # "radix" (token-exact) | "hashed" (vLLM-style full blocks)
-    dtype: str = "float32"  # weights, activations and KV
+    dtype: str = "auto"  # weights, activations and KV: "auto" (see dtype_choice) | DTYPE_NAMES
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N": model, KV pool and step tensors
     jump_forward: bool = True  # draft the tokens a grammar forces and verify them in one step
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -37,14 +36,19 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.prefix_index not in ("radix", "hashed"):
             raise ValueError(f"prefix_index must be 'radix' or 'hashed', got {self.prefix_index!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.hicache.enabled and self.prefix_index != "radix":
             raise ValueError(f"hicache needs prefix_index 'radix', got {self.prefix_index!r}")
 
     @property
+    def dtype_choice(self) -> DtypeChoice:
+        """``dtype`` resolved for ``device`` ("auto": bf16 where the hardware has it natively)."""
+        return resolve_dtype(self.dtype, self.device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return self.dtype_choice.dtype
 
 
 def _check_device(device: str) -> None:

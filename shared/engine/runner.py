@@ -25,7 +25,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
         cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
+        self.dtype = dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.model = model
         self.block_size = block_size
