@@ -8,6 +8,16 @@ OpenAI's ``user``), ``request_id`` (the idempotency key; default: a fresh id), `
 ``ignore_eos`` (as vLLM accepts them). ``temperature`` defaults to 1 as in OpenAI's API. Unknown OpenAI fields are ignored
 as OpenAI's own server ignores what it does not use; ``n`` other than 1 is refused.
 
+Streams follow OpenAI's chunks. A stream sends at most one ``data:`` message per engine step: a
+step's text, with ``finish_reason`` on the message of the step that ended the request, not in a
+message of its own, which clients such as ``vllm bench serve`` count as one more inter-token gap
+(a request ended by a stop string or a finished grammar may still get one: see
+``_replies_by_step``). ``stream_options: {"include_usage": true}`` (only with ``"stream": true``,
+else 400) adds ONE last chunk before ``[DONE]`` whose ``choices`` is ``[]`` and whose ``usage``
+holds ``prompt_tokens``, ``completion_tokens`` (the tokens generated, counted by the engine) and
+``total_tokens``; every other chunk then carries ``"usage": null``. Without it no chunk has a
+``usage`` key, as in OpenAI's API.
+
 Every request becomes a protocol ``generate`` sent to the core loop over ``inproc`` through one
 shared ``FleetClient``, so HTTP and ZeroMQ clients share one queue, one policy and one ledger.
 A client that disconnects mid-stream has its request cancelled.
@@ -20,6 +30,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +39,7 @@ from typing import Any
 from cloudd.metrics import ServerMetrics
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.messages import ChatMessage, Chunk, Error, ErrorCode, Generate, Priority, Result, Sampling
-from shared.transport.client import FleetClient, RequestFailed
+from shared.transport.client import Call, FleetClient, Reply, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +137,23 @@ def generate_from_body(body: dict, chat: bool, tokenizer: Tokenizer | None) -> G
         raise BadRequest(str(e)) from None
 
 
+def include_usage_from_body(body: dict, stream: bool) -> bool:
+    """OpenAI's ``stream_options.include_usage`` (absent or null: false). BadRequest when
+    ``stream_options`` is not an object, ``include_usage`` not a bool, or either comes without
+    ``"stream": true`` (OpenAI refuses that too). Other keys of ``stream_options`` are ignored."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest(f"stream_options must be an object, not {type(options).__name__}")
+    if not stream:
+        raise BadRequest("stream_options is only allowed when stream is true")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise BadRequest(f"stream_options.include_usage must be a bool, not {type(include).__name__}")
+    return bool(include)
+
+
 def _chat_message(i: int, m: Any) -> ChatMessage:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BadRequest(f"messages[{i}] must be an object with a string role")
@@ -173,17 +201,83 @@ def _usage(result: Result) -> dict:
     }
 
 
-def _stream_body(rid: str, chat: bool, model: str, created: int, text: str | None, finish: str | None,
-                 first: bool = False) -> dict:
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
+@dataclass
+class _ChunkBodies:
+    """The OpenAI chunk bodies of one stream; ``include_usage`` as the client asked."""
+
+    rid: str
+    chat: bool
+    model: str
+    created: int
+    include_usage: bool
+    sent_text: bool = False  # the chat role goes out once, with the first text
+
+    def step(self, chunks: list[Chunk], result: Result | None) -> list[dict]:
+        """The bodies for one step's replies: its text (and finish reason, if it ended the
+        request) in one chunk unless both are empty, then the usage chunk if asked and ended."""
+        text = "".join(c.text for c in chunks)
+        finish = result.finish_reason if result is not None else None
+        bodies = [self._body([self._choice(text, finish)])] if text or finish else []
+        if result is not None and self.include_usage:
+            bodies.append(self._body([], _usage(result)))
+        return bodies
+
+    def _choice(self, text: str, finish: str | None) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": finish}
+        delta: dict[str, Any] = {} if self.sent_text or not text else {"role": "assistant"}
+        if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice]}
+            self.sent_text = True
+        return {"index": 0, "delta": delta, "finish_reason": finish}
+
+    def _body(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+
+def _replies_by_step(call: Call, request: Generate, eos_token_ids: frozenset[int]) -> Iterator[list[Reply]]:
+    """The call's replies in groups, one group per SSE message: a chunk with the replies already
+    queued behind it, ending at the result or error. The server sends a request's last chunk and
+    its result in the same step; when the chunk is known to be the last (``max_tokens`` reached,
+    or end-of-sequence) the group waits for that result, so the finish reason rides on the text.
+    A stop string or a finished grammar is not known from the chunk: its result joins the text
+    when it is already queued, else it comes in a message of its own."""
+    num_tokens = 0
+    while True:
+        group = [_next_reply(call, None)]
+        while isinstance(group[-1], Chunk):
+            num_tokens += len(group[-1].token_ids)
+            last = _ends_request(group[-1], num_tokens, request.sampling, eos_token_ids)
+            reply = _next_reply(call, None if last else 0)
+            if reply is None:
+                break
+            group.append(reply)
+        yield group
+        if not isinstance(group[-1], Chunk):
+            return
+
+
+def _ends_request(chunk: Chunk, num_tokens: int, sampling: Sampling, eos_token_ids: frozenset[int]) -> bool:
+    """Whether the engine surely finished the request with this chunk (its ``num_tokens``-th
+    token so far): ``max_tokens`` reached, or a stop or end-of-sequence token (the engine's rule,
+    ``shared.engine.request.stop_reason``)."""
+    if num_tokens >= sampling.max_tokens:
+        return True
+    token = chunk.token_ids[-1] if chunk.token_ids else None
+    return token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_token_ids)
+
+
+def _next_reply(call: Call, timeout_s: float | None) -> Reply | None:
+    """The call's next reply, waiting up to ``timeout_s`` (None: for ever; 0: only one already
+    queued); None if there is none by then."""
+    try:
+        return next(call.events(timeout_s))
+    except TimeoutError:
+        return None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -218,12 +312,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found")
             return
         try:
-            request = generate_from_body(self._body(), path == "/v1/chat/completions", self.ctx.tokenizer)
+            body = self._body()
+            request = generate_from_body(body, path == "/v1/chat/completions", self.ctx.tokenizer)
+            include_usage = include_usage_from_body(body, request.stream)
         except BadRequest as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e), "invalid_request")
             return
         if request.stream:
-            self._stream(request, chat=path == "/v1/chat/completions")
+            self._stream(request, path == "/v1/chat/completions", include_usage)
         else:
             self._complete(request, chat=path == "/v1/chat/completions")
 
@@ -237,30 +333,25 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._json(HTTPStatus.OK, _completion_body(result, chat, self.ctx.model_name, int(time.time())))
 
-    def _stream(self, request: Generate, chat: bool) -> None:
+    def _stream(self, request: Generate, chat: bool, include_usage: bool) -> None:
         call = self.ctx.client.start(request)
-        created = int(time.time())
-        model = self.ctx.model_name
+        tokenizer = self.ctx.tokenizer
+        eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+        bodies = _ChunkBodies(request.request_id, chat, self.ctx.model_name, int(time.time()), include_usage)
         started = False
         try:
-            for reply in call.events():
-                if isinstance(reply, Error):
-                    if not started:
-                        self._protocol_error(reply)
-                        return
-                    self._event({"error": {"message": reply.message, "code": reply.code.value}})
-                    break
+            for group in _replies_by_step(call, request, eos):
+                if not started and isinstance(group[0], Error):  # refused before any chunk: an HTTP error
+                    self._protocol_error(group[0])
+                    return
                 if not started:
                     self._start_events()
                     started = True
-                if isinstance(reply, Chunk):
-                    if reply.text:
-                        self._event(_stream_body(reply.request_id, chat, model, created, reply.text, None,
-                                                 first=reply.seq == 0))
-                elif isinstance(reply, Result):
-                    body = _stream_body(reply.request_id, chat, model, created, None, reply.finish_reason)
-                    body["usage"] = _usage(reply)
+                result = group[-1] if isinstance(group[-1], Result) else None
+                for body in bodies.step([r for r in group if isinstance(r, Chunk)], result):
                     self._event(body)
+                if isinstance(group[-1], Error):
+                    self._event({"error": {"message": group[-1].message, "code": group[-1].code.value}})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):

@@ -11,7 +11,8 @@ Transports, by URL scheme:
   tokens, deadline misses, running/waiting) come from the ``stats`` query.
 - ``http://`` / ``https://``: OpenAI ``/v1/chat/completions`` with ``"stream": true`` (no
   ``ignore_eos`` there: outputs may stop early at EOS). Running/waiting and deadline misses come
-  from ``/metrics``; the prefix hit rate from each stream's final ``usage``; the policy is unknown.
+  from ``/metrics``; the prefix hit rate from each stream's ``usage`` chunk
+  (``stream_options.include_usage``); the policy is unknown.
 
 Several URLs run one after the other, each after its server reports no running or waiting
 requests; a server that cannot be reached raises ``RuntimeError`` naming its URL.
@@ -212,6 +213,7 @@ class HttpTarget:
             "max_tokens": req.max_tokens,
             "temperature": 0,
             "stream": True,
+            "stream_options": {"include_usage": True},
             "priority": TRACE_PRIORITY[req.priority].value,
             "robot_id": req.robot,
             "request_id": request_id,
@@ -235,20 +237,21 @@ class HttpTarget:
 
 
 def _sse_outcome(priority: int, sent: float, events: Iterator[dict]) -> SentRequest:
-    """Read a chat completion stream to its end: the final event carries ``usage``, an
-    ``error`` event (or a stream that stops short) ends the request as an error."""
-    first = None
+    """Read a chat completion stream to its end: the last event carries ``usage`` (asked for with
+    ``include_usage``; its ``choices`` is empty), an ``error`` event (or a stream that stops
+    short) ends the request as an error."""
+    first = finish = None
     for event in events:
         now = time.perf_counter()
         if "error" in event:
             return SentRequest(priority, sent, first, now, error=str(event["error"].get("code", "internal")))
-        choice = event["choices"][0]
-        if first is None and choice.get("delta", {}).get("content"):
-            first = now
-        if "usage" in event:
-            u = event["usage"]
+        for choice in event["choices"]:
+            if first is None and choice.get("delta", {}).get("content"):
+                first = now
+            finish = choice.get("finish_reason") or finish
+        if u := event.get("usage"):
             return SentRequest(priority, sent, first, now, u["prompt_tokens"], u["completion_tokens"],
-                               u.get("prompt_tokens_details", {}).get("cached_tokens", 0), choice["finish_reason"])
+                               u.get("prompt_tokens_details", {}).get("cached_tokens", 0), finish)
     return SentRequest(priority, sent, first, time.perf_counter(), error="connection")
 
 

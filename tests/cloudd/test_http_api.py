@@ -1,0 +1,158 @@
+"""cloudd's OpenAI HTTP API in-process (a tiny random model with the default model's tokenizer)
+through the official `openai` client: `stream_options.include_usage` as OpenAI sends it, its
+400s, and at most one SSE message per engine step."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from cloudd.http_api import ApiContext, _ends_request, make_http_server
+from cloudd.server import CloudServer, ServeConfig
+from shared.engine.engine import Engine
+from shared.engine.engine_config import EngineConfig
+from shared.model.gguf_loader import build_tokenizer, read_gguf
+from shared.protocol.messages import Chunk, Sampling
+from shared.transport.client import FleetClient
+from tests.engine.tiny import tiny_model
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [{"role": "system", "content": "You plan tasks for a warehouse robot."},
+            {"role": "user", "content": "Bring crate 17 to the dock."}]
+PROMPT = "A robot arm picks"
+FIXED = {"temperature": 0, "extra_body": {"ignore_eos": True}}  # greedy, exactly max_tokens tokens
+
+
+@pytest.fixture(scope="module")
+def http(default_model_path) -> Iterator[tuple[str, object]]:
+    """(base URL, tokenizer) of an HTTP front end on a CloudServer running in a thread."""
+    tokenizer = build_tokenizer(read_gguf(default_model_path)[0])
+    model = tiny_model(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
+    engine = Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=256))
+    server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0), "tiny")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client = FleetClient(server.inproc_endpoint, context=server.context)
+    front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, server.metrics, "tiny"))
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{front.server_address[1]}", tokenizer
+    front.shutdown()
+    client.close()
+    server.stop()
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def api(http):
+    return openai.OpenAI(base_url=http[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def raw_events(url: str, path: str, body: dict) -> list[dict]:
+    """The JSON ``data:`` events of a stream as sent, up to ``[DONE]`` (which must come)."""
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        data = [line.decode().removeprefix("data: ").strip() for line in resp if line.startswith(b"data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def post_error(url: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    return info.value.code, json.load(info.value)["error"]["message"]
+
+
+def test_chat_include_usage_ends_with_one_usage_chunk_with_empty_choices(api, http):
+    tokenizer = http[1]
+    chunks = list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7, stream=True,
+                                              stream_options={"include_usage": True}, **FIXED))
+    *text_chunks, last = chunks
+    assert last.choices == []
+    assert last.usage.completion_tokens == 7
+    assert last.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES))
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 7
+    assert text_chunks and all(c.choices and c.usage is None for c in text_chunks)
+    whole = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7, **FIXED)
+    assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == whole.choices[0].message.content
+
+
+def test_completions_include_usage_counts_the_prompt_and_the_generated_tokens(api, http):
+    tokenizer = http[1]
+    chunks = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, stream=True,
+                                         stream_options={"include_usage": True}, **FIXED))
+    assert [c.choices == [] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        len(tokenizer.encode(PROMPT)), 5, len(tokenizer.encode(PROMPT)) + 5)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": PROMPT}),
+])
+def test_usage_is_null_on_every_other_chunk_with_include_usage_and_absent_without(http, path, body):
+    body = {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    plain = raw_events(http[0], path, body)
+    assert all("usage" not in e and len(e["choices"]) == 1 for e in plain)
+    asked = raw_events(http[0], path, {**body, "stream_options": {"include_usage": True}})
+    assert [e["choices"] for e in asked[:-1]] == [e["choices"] for e in plain]
+    assert all(e["usage"] is None for e in asked[:-1])
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_at_most_one_message_per_engine_step_and_the_finish_reason_rides_on_the_last_text(http):
+    # One token per step: 8 steps. Before, the end came as a 9th message of its own.
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = raw_events(http[0], "/v1/chat/completions", body)
+    assert 1 <= len(events) <= 8
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (len(events) - 1) + ["length"]
+    assert events[-1]["choices"][0]["delta"].get("content")
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
+
+
+def test_the_openai_client_s_stream_options_without_stream_is_a_400(api):
+    with pytest.raises(openai.BadRequestError, match="only allowed when stream is true"):
+        api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                    stream_options={"include_usage": True})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"stream": True, "stream_options": "include_usage"}, "stream_options must be an object, not str"),
+    ({"stream": True, "stream_options": [True]}, "stream_options must be an object, not list"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage must be a bool, not str"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage must be a bool, not int"),
+    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed when stream is true"),
+    ({"stream": False, "stream_options": {}}, "stream_options is only allowed when stream is true"),
+])
+def test_bad_stream_options_are_a_400_naming_the_field(http, extra, message):
+    status, text = post_error(http[0], {"messages": MESSAGES, "max_tokens": 2, **extra})
+    assert status == 400 and message in text
+
+
+def test_null_stream_options_are_absent_options(api):
+    reply = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream_options=None, **FIXED)
+    assert reply.usage.completion_tokens == 2
+    chunks = list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True,
+                                              stream_options={"include_usage": None}, **FIXED))
+    assert all(c.choices and c.usage is None for c in chunks)
+
+
+@pytest.mark.parametrize("tokens, num_tokens, sampling, ends", [
+    ((5,), 3, Sampling(max_tokens=3), True),  # max_tokens reached
+    ((5, 6), 2, Sampling(max_tokens=3), False),
+    ((5, 2), 2, Sampling(max_tokens=3), True),  # end-of-sequence
+    ((5, 2), 2, Sampling(max_tokens=3, ignore_eos=True), False),
+    ((9,), 1, Sampling(max_tokens=3, stop_token_ids=(9,)), True),
+    ((), 1, Sampling(max_tokens=3), False),  # text held back from earlier tokens
+])
+def test_a_chunk_ends_its_request_by_the_engine_s_stop_rule(tokens, num_tokens, sampling, ends):
+    assert _ends_request(Chunk("r", 0, tokens, ""), num_tokens, sampling, frozenset({0, 2})) is ends
