@@ -17,6 +17,7 @@ from pathlib import Path  # noqa: E402
 from cloudd.trace import bundled_trace  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 from shared.config import load_engine_config  # noqa: E402
+from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
 from shared.engine.engine_config import EngineConfig  # noqa: E402
 
 
@@ -30,7 +31,8 @@ def _url_list(text: str) -> tuple[str, ...]:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="daemon TOML ([engine], [scheduler]); flags override it")
     p.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", choices=list(DTYPE_NAMES),
+                   help="auto (default): bfloat16 on CUDA or a CPU with AVX-512 BF16/AMX, else float32")
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--max-num-seqs", type=int)
@@ -71,13 +73,15 @@ def cmd_bench(args) -> int:
         engine=_engine_config(args),
         indexes=args.index,
         response_formats=args.response_format,
-        baseline=args.baseline,
+        baselines=args.baseline or (),
         baseline_batch_size=args.baseline_batch,
         output_len=args.output_len,
         limit=args.limit,
         robots=args.robots,
         tiers=args.tiers,
         device_pool_frac=args.device_pool_frac,
+        peers_dir=args.peers_dir,
+        progress=not args.no_progress,
     )
     result = run_bench(opts)
     if args.json:
@@ -135,7 +139,9 @@ def cmd_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     host, port = http.server_address[:2]
-    print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy}", flush=True)
+    dtype = engine_config.dtype_choice
+    print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy} "
+          f"dtype={dtype.name} ({dtype.reason})", flush=True)
     try:
         server.serve_forever()
     finally:
@@ -185,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="prefix index variants, comma list (radix,hashed)")
     bench.add_argument("--response-format", type=comma_list(("none", "plan-schema")), default=("none",),
                        help="structured-output variants, comma list (none,plan-schema)")
-    bench.add_argument("--baseline", choices=["hf"], help="also run HF transformers generate() and print the ratio")
+    bench.add_argument("--baseline", type=comma_list(("hf", "vllm")),
+                       help="also run baselines on the same requests and print the ratios, comma list: hf "
+                            "(HF transformers generate()), vllm (the vLLM CPU peer: runs.vllm and vs_vllm; "
+                            "set up by ../shared/peers/vllm-cpu/setup.sh)")
+    bench.add_argument("--peers-dir", type=Path,
+                       help="the peers' scripts (default: $FLEETSERVE_PEERS_DIR, else ../shared/peers beside "
+                            "the repo); the peers themselves install under $PEERS_DIR")
     bench.add_argument("--baseline-batch", type=int, default=16)
     bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device-pool-frac", type=float,
                        help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks)")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    bench.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     bench.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
                        help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
                             "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")

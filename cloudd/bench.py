@@ -11,6 +11,11 @@ tokens as that request's plan had (EOS ignored): both runs produce the same toke
 and their tokens/s compare the grammar's cost alone. The constrained run also reports
 ``decode_steps_saved_frac``: tokens that jump-forward appended without a decode step of their
 own, over all output tokens.
+
+Baselines run on the same requests: ``hf`` (HF transformers ``generate()``, the ``"baseline"``
+object and each run's ``ratio``) and ``vllm`` (the vLLM CPU peer, cloudd/peer_baseline.py: run
+first, so a peer that fails costs no engine run; it becomes ``runs.vllm`` and each engine run
+gets ``vs_vllm``, its output tokens/s over vLLM's). A progress line on stderr follows each run.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cloudd.bench_report import RequestTiming, format_run, run_report
+from cloudd.bench_report import RequestTiming, format_peer_run, format_run, run_report
+from cloudd.peer_baseline import VllmPeer, run_vllm_offline
 from cloudd.trace import TraceRequest, load_trace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
@@ -34,6 +40,7 @@ from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.llama import build_model
+from shared.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class BenchOptions:
     engine: EngineConfig  # the base config; each variant replaces prefix_index
     indexes: tuple[str, ...] = ("radix",)
     response_formats: tuple[str, ...] = ("none",)  # "none" | "plan-schema"
-    baseline: str | None = None  # "hf" or None
+    baselines: tuple[str, ...] = ()  # "hf", "vllm"
     baseline_batch_size: int = 16
     output_len: int = 96
     limit: int | None = None
@@ -53,6 +60,8 @@ class BenchOptions:
     tiers: tuple[str, ...] = ("off",)
     device_pool_frac: float | None = None  # KV pool = this fraction of the trace's working set
     host_pool_frac: float = 0.5  # with tiers on and no host size configured: of the working set
+    peers_dir: Path | None = None  # the peers' scripts (default: shared.config.peer_scripts_dir())
+    progress: bool = True  # a progress line on stderr while each run replays
 
 
 PLAN_MAX_TOKENS = 256
@@ -63,17 +72,25 @@ RESPONSE_FORMATS = {
 
 
 def replay_offline(engine: Engine, requests: list[TraceRequest], output_lens: list[int],
-                   response_format: dict | None = None) -> tuple[list[RequestTiming], float]:
+                   response_format: dict | None = None,
+                   progress: Progress | None = None) -> tuple[list[RequestTiming], float]:
     """Submit every request at t0, step until all finish; timings are from t0. Unconstrained
     requests generate exactly their ``output_lens`` (EOS ignored); constrained ones stop when
-    their grammar completes, at most ``output_lens``."""
+    their grammar completes, at most ``output_lens``. ``progress`` is offered the counts after
+    every step (it takes them only when it redraws)."""
     t0 = time.perf_counter()
     rids = [engine.submit(list(r.messages), SamplingParams(max_tokens=n, ignore_eos=True), buffered=False,
                           response_format=response_format)
             for r, n in zip(requests, output_lens, strict=True)]
     reqs = [engine.get_request(rid) for rid in rids]
+
+    def counts() -> tuple[int, int]:
+        return sum(r.is_finished for r in reqs), sum(r.num_output_tokens for r in reqs)
+
     while engine.has_unfinished:
         engine.step()
+        if progress is not None:
+            progress.update(counts)
     wall = time.perf_counter() - t0
     timings = [
         RequestTiming(
@@ -92,9 +109,13 @@ def replay_offline(engine: Engine, requests: list[TraceRequest], output_lens: li
 def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     """Every variant (and the baseline) on the same requests; returns the §6 JSON object."""
     requests = select_robots(load_trace(opts.trace, opts.limit), opts.robots)
+    peer = _vllm_peer(opts) if "vllm" in opts.baselines else None
+    if peer is not None:  # NOTE: before any engine run: a missing peer fails at once, not after an hour
+        peer.check(_dtype_name(opts.engine))
     ckpt = load_checkpoint(opts.model)
     model = build_model(ckpt.config, ckpt.weights, dtype=opts.engine.torch_dtype)
     base, working_set = _size_pools(opts, ckpt, requests, log)
+    vllm = _vllm_baseline(peer, requests, opts, log) if peer is not None else None
     runs = {}
     for index in opts.indexes:
         for tiers in opts.tiers:
@@ -105,8 +126,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 with _tier_dir(base, tiers) as config:
                     engine = Engine(model, ckpt.tokenizer, dataclasses.replace(config, prefix_index=index))
                     constrained = RESPONSE_FORMATS[fmt] is not None
-                    timings, wall = replay_offline(engine, requests, [PLAN_MAX_TOKENS] * len(requests)
-                                                   if constrained else lengths, RESPONSE_FORMATS[fmt])
+                    with Progress(name, len(requests), enabled=opts.progress) as progress:
+                        timings, wall = replay_offline(engine, requests, [PLAN_MAX_TOKENS] * len(requests)
+                                                       if constrained else lengths, RESPONSE_FORMATS[fmt], progress)
                     stats = engine.stats()
                     engine.close()
                 runs[name] = run_report(str(opts.trace), timings, wall, stats.prefix_hit_rate)
@@ -121,18 +143,24 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                     runs[name]["decode_steps_saved_frac"] = stats.forced_tokens / max(runs[name]["output_tokens"], 1)
                     runs[name]["grammar"] = {"compiles": stats.grammar_compiles, "cache_hits": stats.grammar_cache_hits,
                                              "compile_s": stats.grammar_compile_s, "mask_s": stats.mask_s}
+                if vllm is not None:
+                    runs[name]["vs_vllm"] = runs[name]["output_tok_s"] / vllm["output_tok_s"]
                 log(format_run(f"engine, {name}", runs[name]))
                 del engine
     runs = {name: runs[name] for name in (_variant_name(i, f, t, opts) for i in opts.indexes
                                           for t in opts.tiers for f in opts.response_formats)}
     _compare_formats(runs, opts, log)
     _compare_tiers(runs, opts, log)
+    if vllm is not None:
+        runs["vllm"] = vllm
     result: dict = runs[opts.indexes[0]] if len(runs) == 1 else {"runs": runs}
-    if opts.baseline == "hf":
+    if "hf" in opts.baselines:
         result["baseline"] = _hf_baseline(ckpt, requests, opts, log)
-        for run in runs.values():
+        for name, run in runs.items():
+            if name == "vllm":
+                continue
             run["ratio"] = run["output_tok_s"] / result["baseline"]["output_tok_s"]
-            log(f"   {run['ratio']:.2f}x HF transformers output tok/s")
+            log(f"   {name}: {run['ratio']:.2f}x HF transformers output tok/s")
     return result
 
 
@@ -240,6 +268,30 @@ def _compare_formats(runs: dict, opts: BenchOptions, log) -> None:
         plan["vs_unconstrained"] = plan["output_tok_s"] / free["output_tok_s"]
         log(f"   plan-schema: {plan['vs_unconstrained']:.2f}x the unconstrained output tok/s, "
             f"{100 * plan['decode_steps_saved_frac']:.0f}% of decode steps saved by jump-forward")
+
+
+def _vllm_peer(opts: BenchOptions) -> VllmPeer:
+    from shared.config import peer_install_dir, peer_scripts_dir
+
+    return VllmPeer(scripts=opts.peers_dir or peer_scripts_dir(), install=peer_install_dir())
+
+
+def _vllm_baseline(peer: VllmPeer, requests: list[TraceRequest], opts: BenchOptions, log) -> dict:
+    """The peer's run on the same requests, output length and dtype, as a §6 run object."""
+    dtype = _dtype_name(opts.engine)
+    log(f"vLLM CPU peer: {len(requests)} requests, {opts.output_len} output tokens each, {dtype}")
+    run = run_vllm_offline(peer, requests, opts.output_len, dtype, progress=opts.progress)
+    expected = len(requests) * opts.output_len
+    if run.get("output_tokens", expected) != expected:
+        log(f"   warning: vLLM generated {run['output_tokens']} output tokens, the engine runs {expected}")
+    run = {**run, "trace": str(opts.trace)}
+    log(format_peer_run("vLLM CPU peer (offline.py)", run))
+    return run
+
+
+def _dtype_name(config: EngineConfig) -> str:
+    """The dtype the engine computes in ("auto" resolved), by name: the peer runs the same."""
+    return str(config.torch_dtype).removeprefix("torch.")
 
 
 def _hf_baseline(ckpt: Checkpoint, requests: list[TraceRequest], opts: BenchOptions, log) -> dict:

@@ -91,4 +91,16 @@ def format_run(name: str, r: dict) -> str:
                      f" disk>H {moved['disk_to_host'] / 2**20:,.0f} MB")
     if "ratio" in r:
         lines.append(f"   {r['ratio']:.2f}x the HF transformers baseline's output tok/s")
+    if "vs_vllm" in r:
+        lines.append(f"   {r['vs_vllm']:.2f}x vLLM CPU's output tok/s (cloudd / vllm)")
     return "\n".join(lines)
+
+
+def format_peer_run(name: str, r: dict) -> str:
+    """A peer's block: throughput and reuse only (a peer reports no per-request latencies)."""
+    return "\n".join([
+        f"== {name}: {r.get('requests', '?')} requests, {r.get('output_tokens', '?')} output tokens"
+        f" in {r['wall_s']:.1f} s",
+        f"   output {r['output_tok_s']:.1f} tok/s   total {r['total_tok_s']:.1f} tok/s"
+        f"   prefix hit {100 * r['prefix_hit_rate']:.1f}%",
+    ])

@@ -58,7 +58,7 @@ def cmd_bench(args) -> int:
 
     opts = BenchOptions(model=_model_path(args.model), backends=args.backend, quants=args.quant,
                         threads=args.threads, requests=args.requests, decode_tokens=args.decode_tokens,
-                        trace=args.trace)
+                        trace=args.trace, progress=not args.no_progress)
     runs = run_bench(opts, log=None if args.json else print)
     print(json.dumps(runs, indent=2) if args.json else format_report(runs))
     return 0
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--decode-tokens", type=int, default=64)
     b.add_argument("--trace", type=Path, default=Path("../shared/workloads/fleet-256.jsonl"))
     b.add_argument("--json", action="store_true")
+    b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     b.set_defaults(func=cmd_bench)
     q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")
     q.add_argument("--model", type=Path)

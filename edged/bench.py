@@ -12,7 +12,8 @@ For each run (``"<backend>-<quant>"``) and each request:
   run decodes the same number of tokens.
 
 Figures are medians over the requests. The report's ratios are the issue's bars: onnx-int4
-decode over torch-none decode, and pinned TTFT over cold TTFT for each run.
+decode over torch-none decode, and pinned TTFT over cold TTFT for each run. A progress line on
+stderr follows each run (timed requests done, decoded tokens/s so far).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import load_checkpoint
+from shared.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class BenchOptions:
     decode_tokens: int = 64
     trace: Path = Path("../shared/workloads/fleet-256.jsonl")
     max_len: int = 2048
+    progress: bool = True  # a progress line on stderr while each run goes
 
 
 def plan_requests(trace: Path, n: int) -> list[list[dict]]:
@@ -76,6 +79,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
             gen.run(_job(tok, prompts[0][:64], 4), _ignore)  # warm-up
             ttft: dict[str, list[float]] = {"cold": [], "pinned": [], "pinned_system": []}
             decode = []
+            progress = Progress(name, 3 * len(prompts), enabled=opts.progress)
             for prompt, system, prefix in zip(prompts, systems, standing, strict=True):
                 for variant, pin in (("cold", None), ("pinned_system", system), ("pinned", prefix)):
                     gen.pinned.clear()
@@ -84,6 +88,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
                     first, rate = _timed(gen, _job(tok, prompt, opts.decode_tokens))
                     ttft[variant].append(first)
                     decode.append(rate)
+                    progress.update(lambda: (len(decode), len(decode) * opts.decode_tokens))
+            progress.close()
             runs[name] = {f"ttft_{variant}_s": statistics.median(times) for variant, times in ttft.items()}
             runs[name] |= {"decode_tok_s": statistics.median(decode), "requests": len(prompts),
                            "prompt_tokens": statistics.median(map(len, prompts)),

@@ -24,6 +24,26 @@ def model_cache_dir() -> Path:
     return base / "fleetserve" / "models"
 
 
+def peer_scripts_dir() -> Path:
+    """The peers' scripts (``vllm-cpu/offline.py``, ...; ARCHITECTURE §6).
+
+    `$FLEETSERVE_PEERS_DIR` when set, else ``../shared/peers`` beside the repo root.
+    """
+    override = os.environ.get("FLEETSERVE_PEERS_DIR")
+    if override:
+        return Path(override).expanduser()
+    return Path(__file__).resolve().parents[1].parent / "shared" / "peers"
+
+
+def peer_install_dir() -> Path:
+    """Where the peers' setup scripts install them (their venvs and models).
+
+    `$PEERS_DIR` when set (the variable the setup scripts read), else ``~/.cache/fleetserve-peers``.
+    """
+    override = os.environ.get("PEERS_DIR")
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "fleetserve-peers"
+
+
 def load_engine_config(path: Path | str) -> EngineConfig:
     """Read the ``[engine]`` and ``[scheduler]`` tables of a daemon's TOML file.
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from cloudd.__main__ import main
 from cloudd.trace import bundled_trace, load_trace
 from shared.model.gguf_loader import build_tokenizer, read_gguf
+from shared.progress import Progress
 from tests.model.tiny_hf import SIZES, TEMPLATE, save_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,3 +79,158 @@ def test_bench_compares_tier_variants(tiny_folder, capsys):
     assert runs["tiers-layerwise"]["tiers"]["loads_layerwise"] == runs["tiers-layerwise"]["tiers"]["loads"]
     assert runs["tiers-on"]["vs_tiers_off"] > 0 and runs["tiers-layerwise"]["vs_whole_loads"] > 0
     assert "layerwise:" in captured.err
+
+
+# --- the vLLM peer baseline, with a stand-in peer (the real one is not needed by `make test`) ---
+
+FAKE_OFFLINE = '''
+import argparse, json, sys
+ap = argparse.ArgumentParser()
+for flag in ("--trace", "--model", "--output-len", "--dtype"):
+    ap.add_argument(flag)
+args = ap.parse_args()
+print("INFO vllm noise on stdout")
+print("INFO vllm log on stderr", file=sys.stderr)
+n = sum(1 for line in open(args.trace) if line.strip())
+out = n * int(args.output_len)
+assert args.model.endswith("smollm2-135m-hf"), args.model
+print(json.dumps({"wall_s": 2.0, "requests": n, "prompt_tokens": 100 * n, "output_tokens": out,
+                  "output_tok_s": out / 2.0, "total_tok_s": (100 * n + out) / 2.0, "prefix_hit_rate": 0.5,
+                  "engine": "fake-vllm", "dtype": args.dtype, "trace": args.trace}))
+'''
+
+
+def _fake_peer(tmp_path, script: str = FAKE_OFFLINE, model: bool = True):
+    """A peers folder holding ``script`` as vllm-cpu/offline.py, and a PEERS_DIR whose venv's
+    python is this interpreter; (--peers-dir, PEERS_DIR)."""
+    import sys
+
+    scripts, install = tmp_path / "peers", tmp_path / "installed"
+    (scripts / "vllm-cpu").mkdir(parents=True)
+    (scripts / "vllm-cpu" / "offline.py").write_text(script)
+    (scripts / "vllm-cpu" / "setup.sh").write_text("exit 0\n")
+    (install / "vllm" / "bin").mkdir(parents=True)
+    (install / "vllm" / "bin" / "python").symlink_to(sys.executable)
+    if model:  # as setup.sh leaves them: fp32, and bf16/ inside it
+        (install / "models" / "smollm2-135m-hf" / "bf16").mkdir(parents=True)
+        for folder in ("", "bf16"):
+            (install / "models" / "smollm2-135m-hf" / folder / "config.json").write_text("{}")
+    return scripts, install
+
+
+def test_bench_vllm_peer_is_a_run_with_the_same_keys_and_a_ratio(tiny_folder, tmp_path, monkeypatch, capsys):
+    scripts, install = _fake_peer(tmp_path)
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--robots", "2",
+            "--output-len", "3", "--num-blocks", "512", "--dtype", "float32", "--baseline", "vllm",
+            "--peers-dir", str(scripts), "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # one object: vLLM's stdout noise stays out of it
+    radix, vllm = result["runs"]["radix"], result["runs"]["vllm"]
+    assert set(result["runs"]) == {"radix", "vllm"}
+    # the peer replayed exactly the engine's requests (the first two robots), same output length
+    assert vllm["requests"] == radix["requests"] < 32 and vllm["output_tokens"] == radix["output_tokens"]
+    assert {"output_tok_s", "total_tok_s", "prefix_hit_rate", "wall_s"} <= set(vllm)
+    assert vllm["dtype"] == "float32" and vllm["trace"] == str(bundled_trace())  # the engine's dtype
+    assert radix["vs_vllm"] == pytest.approx(radix["output_tok_s"] / vllm["output_tok_s"])
+    assert "x vLLM CPU's output tok/s" in captured.err and "vllm log on stderr" not in captured.err
+
+
+def test_bench_vllm_peer_not_set_up_fails_before_any_engine_run(tmp_path, monkeypatch, capsys):
+    scripts, install = _fake_peer(tmp_path, model=False)
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    # NOTE: no such model: the peer check must fail first, before the engine loads anything
+    args = ["bench", "--model", str(tmp_path / "no-model"), "--trace", str(bundled_trace()), "--limit", "2",
+            "--baseline", "hf,vllm", "--peers-dir", str(scripts), "--json"]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "vLLM peer is not set up: missing the model folder" in captured.err
+    assert f"PEERS_DIR={install} bash" in captured.err and "vllm-cpu/setup.sh" in captured.err
+
+
+def test_bench_vllm_peer_missing_python_names_the_setup_script(tmp_path, monkeypatch, capsys):
+    from cloudd.peer_baseline import PeerUnavailable, VllmPeer
+
+    peer = VllmPeer(scripts=Path(__file__).resolve().parents[3] / "shared" / "peers", install=tmp_path)
+    with pytest.raises(PeerUnavailable, match=r"missing the vLLM venv.s python .* and the model folder") as e:
+        peer.check()
+    if peer.script.is_file():  # beside the repo: shown relative to the repo root
+        assert "bash ../shared/peers/vllm-cpu/setup.sh" in str(e.value)
+
+
+def test_bench_vllm_peer_failure_shows_the_end_of_its_log(tiny_folder, tmp_path, monkeypatch, capsys):
+    scripts, install = _fake_peer(tmp_path, "import sys\nprint('RuntimeError: no AVX-512', file=sys.stderr)\n"
+                                            "sys.exit(3)\n")
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--limit", "2",
+            "--baseline", "vllm", "--peers-dir", str(scripts), "--json"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "offline.py exited with 3" in err and "RuntimeError: no AVX-512" in err
+
+
+def test_peer_json_is_the_last_json_line_with_the_throughput_keys():
+    from cloudd.peer_baseline import parse_peer_json
+
+    ok = '{"wall_s": 1, "output_tok_s": 2, "total_tok_s": 3, "prefix_hit_rate": 0.5}'
+    assert parse_peer_json(f"INFO starting\n{{not json\n{ok}\n\n")["output_tok_s"] == 2
+    with pytest.raises(ValueError, match="lacks total_tok_s, prefix_hit_rate"):
+        parse_peer_json('{"wall_s": 1, "output_tok_s": 2}')
+    with pytest.raises(ValueError, match="no JSON object"):
+        parse_peer_json("Traceback ...\n")
+
+
+# --- the progress line ---
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_a_terminal_line_at_most_four_times_a_second():
+    clock, term = _Clock(), _Terminal()
+    progress = Progress("radix", 16, stream=term, clock=clock)
+    calls = []
+
+    def counts():
+        calls.append(clock.t)
+        return 4, 200
+
+    for _ in range(10):  # ten steps within 0.1 s: nothing due, counts never taken
+        clock.t += 0.01
+        progress.update(counts)
+    assert calls == [] and term.getvalue() == ""
+    clock.t = 102.0
+    progress.update(counts)
+    progress.update(counts)  # same instant: not due again
+    assert len(calls) == 1
+    assert term.getvalue() == "\r\033[Kradix [#####...............] 4/16 req  100.0 out tok/s  2 s"
+    progress.close()
+    assert term.getvalue().endswith("\r\033[K")  # the report that follows starts on a clean line
+
+
+def test_progress_off_a_terminal_writes_occasional_plain_lines_and_can_be_off():
+    clock, log = _Clock(), io.StringIO()
+    progress = Progress("hashed", 8, stream=log, clock=clock)
+    for _ in range(100):  # 20 s of steps, 0.2 s apart
+        clock.t += 0.2
+        progress.update(lambda: (1, 10))
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hashed [##") and "\r" not in log.getvalue()
+    quiet = Progress("radix", 8, enabled=False, stream=_Terminal(), clock=clock)
+    clock.t += 100
+    quiet.update(lambda: pytest.fail("a disabled progress takes no counts"))
+    quiet.close()
+    assert quiet.stream.getvalue() == ""
+    assert Progress("vllm", None, stream=log).line(0, 0, elapsed=12.3) == "vllm: running, 12 s"

@@ -1,0 +1,154 @@
+"""vLLM's CPU build as the peer baseline of `cloudd bench --baseline vllm` (ARCHITECTURE §6).
+
+The peer's own script, ``vllm-cpu/offline.py`` in the peers folder, runs with the peer's own
+Python (``$PEERS_DIR/vllm/bin/python``, installed by ``vllm-cpu/setup.sh``) on the same
+requests (written to a temporary trace), the same output length and the same dtype as the
+engine's runs. It prints one JSON object (output_tok_s, total_tok_s, prefix_hit_rate, wall_s,
+...), which becomes ``runs.vllm``. vLLM's own log goes to a file, shown when the run fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cloudd.trace import TraceRequest
+from shared.progress import Progress
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REQUIRED_KEYS = ("output_tok_s", "total_tok_s", "prefix_hit_rate", "wall_s")
+LOG_TAIL_LINES = 25
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer is not set up; the message says how to set it up."""
+
+
+@dataclass(frozen=True)
+class VllmPeer:
+    """Where the peer's script (``scripts``: the peers folder) and its install (``install``:
+    ``$PEERS_DIR``) are; nothing is checked until ``check``."""
+
+    scripts: Path
+    install: Path
+
+    @property
+    def script(self) -> Path:
+        return self.scripts / "vllm-cpu" / "offline.py"
+
+    @property
+    def setup_script(self) -> Path:
+        return self.scripts / "vllm-cpu" / "setup.sh"
+
+    @property
+    def python(self) -> Path:
+        return self.install / "vllm" / "bin" / "python"
+
+    def model(self, dtype: str) -> Path:
+        """The HF folder setup.sh made from the default GGUF, in ``dtype`` (so both engines run
+        the same weights: fp32 beside bf16/)."""
+        folder = self.install / "models" / "smollm2-135m-hf"
+        return folder / "bf16" if dtype == "bfloat16" else folder
+
+    def check(self, dtype: str = "bfloat16") -> None:
+        """Raise PeerUnavailable naming what is missing and the command that sets it up."""
+        if not self.script.is_file():
+            raise PeerUnavailable(f"--baseline vllm: no peer script at {self.script}; point --peers-dir "
+                                  "(or FLEETSERVE_PEERS_DIR) at the shared peers folder (../shared/peers)")
+        missing = [f"{what} ({path})" for what, path, ok in (
+            ("the vLLM venv's python", self.python, self.python.is_file()),
+            ("the model folder", self.model(dtype), (self.model(dtype) / "config.json").is_file()),
+        ) if not ok]
+        if missing:
+            raise PeerUnavailable(
+                f"--baseline vllm: the vLLM peer is not set up: missing {' and '.join(missing)}. "
+                f"Set it up with `PEERS_DIR={self.install} bash {_shown(self.setup_script)}` in the repo root "
+                f"({self.setup_script}; about 5 min and 3.4 GB, once), then run the bench again")
+
+    def command(self, trace: Path, output_len: int, dtype: str) -> list[str]:
+        return [str(self.python), str(self.script), "--trace", str(trace), "--model", str(self.model(dtype)),
+                "--output-len", str(output_len), "--dtype", dtype]
+
+
+def run_vllm_offline(peer: VllmPeer, requests: list[TraceRequest], output_len: int, dtype: str,
+                     progress: bool = True) -> dict:
+    """The peer's run on ``requests``: its JSON object, with ``requests`` and ``output_tokens``
+    as it counted them. Raises RuntimeError (with the tail of vLLM's log) when the script fails
+    or prints no JSON object with the §6 throughput keys."""
+    peer.check(dtype)
+    with tempfile.TemporaryDirectory(prefix="fleetserve-vllm-") as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        write_trace(trace, requests)
+        log_path = Path(tmp) / "vllm.log"
+        with open(log_path, "w", encoding="utf-8") as log:
+            code, stdout = _run(peer.command(trace, output_len, dtype), log, progress)
+        if code != 0:
+            raise RuntimeError(f"--baseline vllm: {_shown(peer.script)} exited with {code}; the end of its log:\n"
+                               + _tail(log_path))
+        try:
+            return parse_peer_json(stdout)
+        except ValueError as e:
+            raise RuntimeError(f"--baseline vllm: {e}; the end of its log:\n{_tail(log_path)}") from e
+
+
+def write_trace(path: Path, requests: list[TraceRequest]) -> None:
+    """The requests as a trace file (cloudd/trace.py's fields), in order."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"id": r.id, "robot": r.robot, "kind": r.kind, "priority": r.priority,
+                                "arrival_s": r.arrival_s, "messages": list(r.messages),
+                                "max_tokens": r.max_tokens}) + "\n")
+
+
+def parse_peer_json(stdout: str) -> dict:
+    """The last line of ``stdout`` that is a JSON object; ValueError if none, or if it lacks a
+    §6 throughput key."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        missing = [k for k in REQUIRED_KEYS if k not in obj]
+        if missing:
+            raise ValueError(f"the peer's JSON lacks {', '.join(missing)}")
+        return obj
+    raise ValueError("the peer printed no JSON object on stdout")
+
+
+def _run(cmd: list[str], log, progress: bool) -> tuple[int, str]:
+    """Run ``cmd`` with stderr to ``log``, drawing an elapsed-time line meanwhile; (exit code, stdout)."""
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as out, Progress("vllm", None, enabled=progress) as bar:
+        # NOTE: its own session, so that an interrupted run can end vLLM's engine process too.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    bar.update(lambda: (0, 0))
+        finally:
+            if proc.poll() is None:  # interrupted: don't leave vLLM's processes behind
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+        out.seek(0)
+        return code, out.read()
+
+
+def _tail(path: Path) -> str:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty)"
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repo root when it is near it (``../shared/peers/...``)."""
+    rel = os.path.relpath(path, REPO_ROOT)
+    return rel if not rel.startswith("../..") else str(path)
