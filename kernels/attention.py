@@ -26,12 +26,13 @@ float32 `attention_with_lse` elsewhere (`_flash_with_lse` dispatches).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, PrefillSegment
+from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
 
 if TYPE_CHECKING:
     from shared.engine.kv.layer_fence import LayerFence
@@ -159,17 +160,69 @@ def _decode_attention(
     kvh = k_cache.shape[2]
     g = heads // kvh
     qg = q.view(nd, kvh, g, dim)  # kv head i serves query heads i*g .. i*g+g-1
+    if meta.num_decode_parts == 1:  # no shared segment: each row's one problem is its answer
+        out = torch.empty_like(qg)
+        for batch, batch_out, _ in _decode_batches(qg, k_cache, v_cache, meta, scale):
+            out.index_copy_(0, batch.rows.flatten(), batch_out.flatten(0, 1))
+        return out.view(nd, heads, dim)
     slots = meta.num_decode_parts + 1  # the last one is the scratch slot padding writes into
-    parts_out = q.new_zeros(nd, slots, kvh, g, dim)
-    parts_lse = torch.full((nd, slots, kvh, g), float("-inf"), device=q.device)
+    parts_out = q.new_zeros(nd * slots, kvh, g, dim)  # row-major (row, slot)
+    parts_lse = torch.full((nd * slots, kvh, g), float("-inf"), device=q.device)
+    for batch, out, lse in _decode_batches(qg, k_cache, v_cache, meta, scale):
+        flat = (batch.rows * slots + batch.parts).flatten()
+        parts_out.index_copy_(0, flat, out.flatten(0, 1))
+        parts_lse.index_copy_(0, flat, lse.flatten(0, 1))
+    parts_out, parts_lse = parts_out.view(nd, slots, kvh, g, dim), parts_lse.view(nd, slots, kvh, g)
+    weights = parts_lse[:, :-1].softmax(dim=1).to(q.dtype)[..., None]  # [nd, parts, kvh, g, 1]
+    return (weights * parts_out[:, :-1]).sum(dim=1).reshape(nd, heads, dim)
+
+
+def _decode_batches(
+    qg: torch.Tensor,  # [num_decodes, kvh, g, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Iterator[tuple[DecodeBatch, torch.Tensor, torch.Tensor | None]]:
+    """Each decode batch with its partial results: out [p, r, kvh, g, D], and lse [p, r, kvh, g]
+    when rows have more than one part to merge (else None)."""
+    nd, kvh, g, dim = qg.shape
+    with_lse = meta.num_decode_parts > 1
     for batch in meta.decode_batches:
         p, r = batch.rows.shape
         k_buf, v_buf = meta.decode_gather_buffer[:, : batch.block_tables.numel()]
-        k = _gather(k_cache, batch.block_tables, out=k_buf).transpose(1, 2)  # [p, kvh, S, D]
-        v = _gather(v_cache, batch.block_tables, out=v_buf).transpose(1, 2)
-        queries = qg[batch.rows].permute(0, 2, 1, 3, 4).reshape(p, kvh, r * g, dim)  # rows (row, j)
-        out, lse = _flash_with_lse(queries, k, v, attn_mask=batch.mask, scale=scale)
-        parts_out[batch.rows, batch.parts] = out.view(p, kvh, r, g, dim).permute(0, 2, 1, 3, 4)
-        parts_lse[batch.rows, batch.parts] = lse.view(p, kvh, r, g).permute(0, 2, 1, 3)
-    weights = parts_lse[:, :-1].softmax(dim=1).to(q.dtype)[..., None]  # [nd, parts, kvh, g, 1]
-    return (weights * parts_out[:, :-1]).sum(dim=1).reshape(nd, heads, dim)
+        k = _gather(k_cache, batch.block_tables, out=k_buf)  # [p, S, kvh, D]
+        v = _gather(v_cache, batch.block_tables, out=v_buf)
+        queries = qg.index_select(0, batch.rows.flatten()).view(p, r, kvh, g, dim)
+        out, lse = grouped_query_attention(queries, k, v, batch.mask.view(p, 1, -1), scale, with_lse)
+        yield batch, out, lse
+
+
+def grouped_query_attention(
+    q: torch.Tensor,  # [p, r, kvh, g, D]: r query rows per problem, g query heads per KV head
+    k: torch.Tensor,  # [p, S, kvh, D] contiguous (as gathered from the pool)
+    v: torch.Tensor,  # [p, S, kvh, D] contiguous
+    mask: torch.Tensor,  # [p, 1, S] additive float32: 0 visible, -inf not
+    scale: float,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # out [p, r, kvh, g, D] in q's dtype, lse [p, r, kvh, g] float32
+    """Each problem's queries over its keys as two batched GEMMs, for decode rows (a few
+    queries per KV head, where the flash kernel's query blocking costs several times more).
+
+    GQA without a per-head copy of K/V: every query row is block-diagonal, its vector in its KV
+    head's slot of a ``kvh * D`` row and zeros elsewhere, so one GEMM against the keys as laid
+    out in the pool (``[S, kvh * D]``) scores every head; the output's diagonal blocks are the
+    heads' results. The zeros cost ``kvh`` times the FLOPs of these small GEMMs and save a
+    transposing copy of every gathered block. Numerics are HF eager's: GEMMs in the model's
+    dtype (float32 accumulation), softmax in float32.
+    """
+    p, r, kvh, g, d = q.shape
+    keys = k.shape[1]
+    eye = torch.eye(kvh, dtype=q.dtype, device=q.device)[:, None, :, None]  # [kvh, 1, kvh', 1]
+    q_block = (q[:, :, :, :, None, :] * eye).reshape(p, r * kvh * g, kvh * d)
+    scores = torch.bmm(q_block, k.view(p, keys, kvh * d).transpose(1, 2)).float().mul_(scale).add_(mask)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [p, r * kvh * g, S]
+    out = torch.bmm(probs, v.view(p, keys, kvh * d)).view(p, r, kvh, g, kvh, d)
+    out = torch.diagonal(out, dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # [p, r, kvh, g, D]
+    lse = torch.logsumexp(scores, dim=-1).view(p, r, kvh, g) if with_lse else None
+    return out, lse

@@ -74,6 +74,9 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim // 2] in the model's dtype
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position_embeddings."""
 
@@ -84,12 +87,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin at ``positions`` [T], looked up once per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim]; rotate-half form."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rotary(x, self.tables(positions, x.dtype))
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """x: [T, heads, head_dim] rotated in rotate-half form (as HF checkpoints store Q/K)."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -109,15 +120,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T] int64
-        rotary: RotaryEmbedding,
+        rope: RopeTables,
         kv_cache: KVCache,
         step: AttentionStep,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rotary(q.view(-1, self.num_heads, self.head_dim), positions)
-        k = rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        # q and k sit side by side in qkv's rows: one rotation for both
+        qk = apply_rotary(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = step.attend(self.layer, q, k, v, kv_cache, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -142,8 +154,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, kv_cache, step):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, step)
+    def forward(self, x, rope, kv_cache, step):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -171,8 +183,9 @@ class LlamaModel(nn.Module):
         step: AttentionStep,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, step)
+            x = layer(x, rope, kv_cache, step)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -24,7 +24,9 @@ TASK = (ChatMessage("system", "You plan tasks for a warehouse robot."),
 
 def serve(tmp_path, *extra: str, config: str = "") -> DaemonProcess:
     cfg = tmp_path / "cloudd.toml"
-    cfg.write_text("[engine]\nnum_blocks = 2048\n" + config)
+    # NOTE: float32, not "auto": in bfloat16 a prompt's last logits round differently after a
+    # prefix-cache hit than in a cold prefill, so two greedy runs of one task may part at a near-tie.
+    cfg.write_text('[engine]\nnum_blocks = 2048\ndtype = "float32"\n' + config)
     return DaemonProcess("cloudd", ["serve", "--config", str(cfg), "--zmq-port", "0", "--http-port", "0", *extra],
                          ready="cloudd ready:")
 
