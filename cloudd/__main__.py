@@ -82,6 +82,7 @@ def cmd_bench(args) -> int:
         device_pool_frac=args.device_pool_frac,
         peers_dir=args.peers_dir,
         progress=not args.no_progress,
+        profile=args.profile,
     )
     result = run_bench(opts)
     if args.json:
@@ -167,6 +168,21 @@ def _response_formats(names: tuple[str, ...]) -> list[dict]:
     return formats
 
 
+def cmd_agreement(args) -> int:
+    from cloudd.dtype_agreement import format_agreement, measure_agreement
+    from cloudd.trace import load_trace
+    from shared.model.checkpoint import load_checkpoint
+
+    if args.dtype in (None, "auto", "float32"):
+        raise ValueError("--dtype must name the dtype compared with float32 (bfloat16 or float16)")
+    ckpt = load_checkpoint(_model_path(args))
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    result = measure_agreement(ckpt, load_trace(args.trace, args.limit), args.dtype, args.tokens,
+                               _engine_config(args), log)
+    print(json.dumps(result.as_dict()) if args.json else format_agreement(result))
+    return 0
+
+
 def cmd_chat(args) -> int:
     from shared.engine.engine import Engine
     from shared.engine.sampling_params import SamplingParams
@@ -209,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks)")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     bench.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    bench.add_argument("--profile", action="store_true",
+                       help="time each step's phases (model, attention, sampling, scheduling, detokenizing) and "
+                            "report the model's FLOP/s against this machine's matmul peak (JSON: runs.<v>.profile)")
     bench.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
                        help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
                             "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")
@@ -216,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --serve: arrival-rate multiplier (2: requests come twice as fast)")
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    agreement = sub.add_parser("agreement", help="greedy and top-1 agreement of a dtype (--dtype) with float32")
+    agreement.add_argument("--trace", type=Path, required=True, help="e.g. ../shared/workloads/fleet-256.jsonl")
+    agreement.add_argument("--limit", type=int, default=100, help="the first N requests (default 100)")
+    agreement.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
+    agreement.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _engine_args(agreement)
+    agreement.set_defaults(func=cmd_agreement)
 
     chat = sub.add_parser("chat", help="print one chat reply from the model")
     chat.add_argument("prompt")

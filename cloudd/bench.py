@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cloudd.bench_report import RequestTiming, format_peer_run, format_run, run_report
+from cloudd.bench_report import RequestTiming, format_peer_run, format_profile, format_run, run_report
 from cloudd.peer_baseline import VllmPeer, run_vllm_offline
 from cloudd.trace import TraceRequest, load_trace
 from shared.engine.engine import Engine
@@ -40,6 +40,7 @@ from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.llama import build_model
+from shared.engine.step_profile import matmul_peak_flops
 from shared.progress import Progress
 
 
@@ -62,6 +63,7 @@ class BenchOptions:
     host_pool_frac: float = 0.5  # with tiers on and no host size configured: of the working set
     peers_dir: Path | None = None  # the peers' scripts (default: shared.config.peer_scripts_dir())
     progress: bool = True  # a progress line on stderr while each run replays
+    profile: bool = False  # time each step's phases and report FLOP/s against the matmul peak
 
 
 PLAN_MAX_TOKENS = 256
@@ -116,6 +118,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
     model = build_model(ckpt.config, ckpt.weights, dtype=opts.engine.torch_dtype)
     base, working_set = _size_pools(opts, ckpt, requests, log)
     vllm = _vllm_baseline(peer, requests, opts, log) if peer is not None else None
+    peak = _matmul_peak(opts, log) if opts.profile else None
     runs = {}
     for index in opts.indexes:
         for tiers in opts.tiers:
@@ -125,6 +128,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 name = _variant_name(index, fmt, tiers, opts)
                 with _tier_dir(base, tiers) as config:
                     engine = Engine(model, ckpt.tokenizer, dataclasses.replace(config, prefix_index=index))
+                    profile = engine.enable_profile() if opts.profile else None
                     constrained = RESPONSE_FORMATS[fmt] is not None
                     with Progress(name, len(requests), enabled=opts.progress) as progress:
                         timings, wall = replay_offline(engine, requests, [PLAN_MAX_TOKENS] * len(requests)
@@ -132,6 +136,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                     stats = engine.stats()
                     engine.close()
                 runs[name] = run_report(str(opts.trace), timings, wall, stats.prefix_hit_rate)
+                runs[name]["dtype"] = stats.dtype
                 runs[name]["preemptions"] = stats.preemptions
                 runs[name]["kv_blocks"] = stats.blocks_total
                 if working_set:
@@ -146,6 +151,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 if vllm is not None:
                     runs[name]["vs_vllm"] = runs[name]["output_tok_s"] / vllm["output_tok_s"]
                 log(format_run(f"engine, {name}", runs[name]))
+                if profile is not None:
+                    runs[name]["profile"] = profile.report(peak)
+                    log(format_profile(runs[name]["profile"]))
                 del engine
     runs = {name: runs[name] for name in (_variant_name(i, f, t, opts) for i in opts.indexes
                                           for t in opts.tiers for f in opts.response_formats)}
@@ -162,6 +170,14 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
             run["ratio"] = run["output_tok_s"] / result["baseline"]["output_tok_s"]
             log(f"   {name}: {run['ratio']:.2f}x HF transformers output tok/s")
     return result
+
+
+def _matmul_peak(opts: BenchOptions, log) -> float:
+    """The machine's matmul rate in the engine's dtype, measured before the runs."""
+    choice = opts.engine.dtype_choice
+    peak = matmul_peak_flops(choice.dtype, opts.engine.device)
+    log(f"matmul peak: {peak / 1e9:.0f} GFLOP/s in {choice.name} ({choice.reason}), torch.mm 2048^3")
+    return peak
 
 
 def select_robots(requests: list[TraceRequest], robots: int | None) -> list[TraceRequest]:

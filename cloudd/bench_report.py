@@ -104,3 +104,14 @@ def format_peer_run(name: str, r: dict) -> str:
         f"   output {r['output_tok_s']:.1f} tok/s   total {r['total_tok_s']:.1f} tok/s"
         f"   prefix hit {100 * r['prefix_hit_rate']:.1f}%",
     ])
+
+
+def format_profile(profile: dict) -> str:
+    """Where a run's step time went (``StepProfile.report``), for stderr."""
+    ms, share = profile["ms_per_step"], profile["share"]
+    phases = "  ".join(f"{k} {ms[k]:.1f}ms ({share[k]:.0%})" for k in ms)
+    lines = [f"   profile over {profile['steps']} steps: {phases}",
+             f"   host {profile['host_ms_per_step']:.1f} ms/step   model {profile['achieved_gflop_s']:.0f} GFLOP/s"]
+    if "peak_frac" in profile:
+        lines[-1] += f" = {profile['peak_frac']:.0%} of the {profile['peak_gflop_s']:.0f} GFLOP/s matmul peak"
+    return "\n".join(lines)

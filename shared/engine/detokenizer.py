@@ -3,6 +3,11 @@
 Contract: ``push`` returns only text that is final: never half of a multi-byte character, and
 never a tail that might still turn out to be the start of a stop string. When a stop string
 appears, the text is cut just before it (OpenAI semantics) and ``stopped`` becomes True.
+
+Each push decodes only the new ids with the previous push's ids as context (vLLM's offsets):
+the cost per token stays constant instead of re-decoding the whole output every step, and the
+context makes a word's leading space and a character split over tokens come out as they do in
+a decode of the whole sequence.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ class IncrementalDetokenizer:
         self._decoder = decoder
         self._stop = tuple(stop)
         self._ids: list[int] = []
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset]: context decoded again
+        self._read_offset = 0  # ids before this are in ``text``
         self._emitted = 0  # characters of the decoded text already returned
         self.text = ""  # everything decoded so far (cut at a stop string once stopped)
         self.stopped = False
@@ -29,19 +36,34 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
-        self.text = self._decoder.decode(self._ids)
+        new_text = self._decode_new(final=False)
+        if not new_text:  # nothing new, or an incomplete UTF-8 sequence: wait for its rest
+            return ""
+        self.text += new_text
         hit = self._find_stop()
         if hit is not None:
             self.text = self.text[:hit]
             self.stopped = True
             return self._release(len(self.text))
-        if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
-            return ""
         return self._release(len(self.text) - self._held_back())
 
     def flush(self) -> str:
-        """At the end of the request: whatever was held back."""
+        """At the end of the request: whatever was held back (an incomplete character too)."""
+        if not self.stopped:
+            self.text += self._decode_new(final=True)
         return self._release(len(self.text))
+
+    def _decode_new(self, final: bool) -> str:
+        """The text that ids past ``read_offset`` add; "" (offsets kept) while it ends inside a
+        multi-byte character, unless ``final``."""
+        if self._read_offset == len(self._ids):
+            return ""
+        context = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decoder.decode(self._ids[self._prefix_offset :])
+        if not final and (text.endswith("\ufffd") or len(text) <= len(context)):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(context) :]
 
     def _find_stop(self) -> int | None:
         window = max((len(s) for s in self._stop), default=0)

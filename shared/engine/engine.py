@@ -38,6 +38,8 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler_output import SchedulerOutput
+from shared.engine.step_profile import StepProfile, maybe_phase
 from shared.model.checkpoint import load_checkpoint
 from shared.model.llama import LlamaModel, build_model
 from shared.model.tokenizer import Tokenizer
@@ -140,6 +142,7 @@ class Engine:
         self._live: set[str] = set()  # submitted, and not yet fully delivered
         self._buffered: set[str] = set()  # live ids whose deltas wait for stream/drain
         self.num_steps = 0
+        self.profile: StepProfile | None = None
 
     @classmethod
     def from_checkpoint(cls, path: Path | str, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -232,42 +235,60 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, sample, apply stop rules. Returns this step's deltas
         (buffered requests' deltas are also kept for ``stream``/``drain``)."""
-        self.scheduler.admit_loaded()
-        ended = self.scheduler.expire() + self.scheduler.admit_compiled()
-        deltas = [self._deliver(f.request, [], f.reason) for f in ended]
-        out = self.scheduler.schedule()
+        profile = self.profile
+        with maybe_phase(profile, "schedule"):
+            self.scheduler.admit_loaded()
+            ended = self.scheduler.expire() + self.scheduler.admit_compiled()
+            deltas = [self._deliver(f.request, [], f.reason) for f in ended]
+            out = self.scheduler.schedule()
         if out.is_empty:
-            if not out.preempted and not self.scheduler.running and self._tiers_busy:
-                # nothing to compute meanwhile; a load (or a backup holding blocks) will finish
-                self.scheduler.admit_loaded(timeout=0.005)
-                return deltas
-            if not out.preempted and not self.scheduler.running and self.scheduler.awaiting_grammar:
-                pending = [r.grammar_pending for r in self.scheduler.awaiting_grammar]
-                concurrent.futures.wait(pending, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
-                return deltas
-            return deltas + ([] if out.preempted else self._unblock())
+            return deltas + self._idle(out)
         started = self.clock()
         logits = self.runner.execute(out)
-        sampled_chunks = [c for c in out.chunks if c.sample]
-        reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
-        picks = self._sample(logits, sampled_chunks, reqs)
-        now = self.clock()
-        self.scheduler.rate.observe(out.num_tokens, now - started)
-        for req in reqs:
-            if req.first_token_time is None:
-                req.first_token_time = now
-        before = [req.num_output_tokens for req in reqs]
-        finished = {f.request.request_id: f.reason for f in self.scheduler.update(
-            out, {r.request_id: p for r, p in zip(reqs, picks, strict=True)})}
-        self.num_steps += 1
-        for req in reqs:
-            if req.request_id not in finished:
-                self._draft(req)
-        return deltas + [
-            self._deliver(req, req.output_token_ids[n:], finished.get(req.request_id),
-                          req.output_logprobs[n:] if req.sampling.logprobs else [])
-            for req, n in zip(reqs, before, strict=True)
-        ]
+        with maybe_phase(profile, "sampling"):
+            sampled_chunks = [c for c in out.chunks if c.sample]
+            reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
+            picks = self._sample(logits, sampled_chunks, reqs)
+        with maybe_phase(profile, "update"):
+            now = self.clock()
+            self.scheduler.rate.observe(out.num_tokens, now - started)
+            for req in reqs:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            before = [req.num_output_tokens for req in reqs]
+            finished = {f.request.request_id: f.reason for f in self.scheduler.update(
+                out, {r.request_id: p for r, p in zip(reqs, picks, strict=True)})}
+            self.num_steps += 1
+            for req in reqs:
+                if req.request_id not in finished:
+                    self._draft(req)
+        with maybe_phase(profile, "detokenize"):
+            deltas += [
+                self._deliver(req, req.output_token_ids[n:], finished.get(req.request_id),
+                              req.output_logprobs[n:] if req.sampling.logprobs else [])
+                for req, n in zip(reqs, before, strict=True)
+            ]
+        if profile is not None:
+            profile.steps += 1
+        return deltas
+
+    def _idle(self, out: SchedulerOutput) -> list[TokenDelta]:
+        """A step with nothing to compute: wait briefly for a tier load or a grammar, else
+        unblock a queue that can never run."""
+        if not out.preempted and not self.scheduler.running and self._tiers_busy:
+            # nothing to compute meanwhile; a load (or a backup holding blocks) will finish
+            self.scheduler.admit_loaded(timeout=0.005)
+            return []
+        if not out.preempted and not self.scheduler.running and self.scheduler.awaiting_grammar:
+            pending = [r.grammar_pending for r in self.scheduler.awaiting_grammar]
+            concurrent.futures.wait(pending, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
+            return []
+        return [] if out.preempted else self._unblock()
+
+    def enable_profile(self) -> StepProfile:
+        """Time every later step's phases and count the model's FLOPs (see ``step_profile``)."""
+        self.profile = self.runner.profile = StepProfile()
+        return self.profile
 
     def _sample(self, logits: torch.Tensor, chunks: list, reqs: list[Request]) -> list[list[Pick]]:
         """The tokens each sampled chunk yields: the one after its newest token, then, while

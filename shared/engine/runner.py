@@ -9,6 +9,7 @@ from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from shared.engine.step_profile import StepProfile, TimedAttentionStep, maybe_phase
 from shared.model.llama import KVCache, LlamaModel
 
 
@@ -38,6 +39,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype, self.device)
+        self.profile: StepProfile | None = None  # set by Engine.enable_profile
+        self._flops = _FlopCounter(model)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits [rows, vocab] float32 on the CPU: ``chunk.num_logits``
@@ -56,7 +59,25 @@ class ModelRunner:
         if out.copies:  # a copy may read a block a tier load is still filling
             for fence in out.fences:
                 fence.wait_all()
-        self._copy_slots(out.copies)
+        profile = self.profile
+        with maybe_phase(profile, "metadata"):
+            self._copy_slots(out.copies)
+            input_ids, positions, meta, sample_rows = self._prepare(out)
+        attention_before = profile.seconds["attention"] if profile is not None else 0.0
+        with maybe_phase(profile, "model"):
+            step = PagedAttentionStep(meta, out.fences)
+            hidden = self.model(input_ids, positions, self.kv_caches,
+                                step if profile is None else TimedAttentionStep(step, profile))
+        with maybe_phase(profile, "logits"):
+            logits = self.model.logits(hidden[sample_rows]).cpu()
+        if profile is not None:  # attention ran inside the model's phase: count it once
+            profile.seconds["model"] -= profile.seconds["attention"] - attention_before
+            profile.flops += self._flops.step(out, len(sample_rows))
+            profile.computed_tokens += len(input_ids)
+        return logits
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The step's flat token ids [T], positions [T], attention metadata and logits rows."""
         row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]
         segment_chunks = [c for c in out.prefills if not _as_decode_rows(c)]
         input_ids: list[int] = []
@@ -80,15 +101,10 @@ class ModelRunner:
             query_group=self.model.config.num_heads // self.model.config.num_kv_heads,
             device=self.device,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.kv_caches,
-            PagedAttentionStep(meta, out.fences),
-        )
         sample_rows = [row for c in out.chunks
                        for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]
-        return self.model.logits(hidden[sample_rows]).cpu()
+        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta, sample_rows)
 
     def _copy_slots(self, copies: list[SlotCopy]) -> None:
         """Copy-on-write of partially matched prefix blocks, all layers at once per tensor."""
@@ -100,3 +116,18 @@ class ModelRunner:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[dst] = flat[src]
+
+
+class _FlopCounter:
+    """The model's FLOPs for a step (see ``shared.engine.step_profile``)."""
+
+    def __init__(self, model: LlamaModel):
+        cfg = model.config
+        self.dense = 2 * sum(p.numel() for name, p in model.layers.named_parameters() if name.endswith("proj.weight"))
+        self.attention = 4 * cfg.num_heads * cfg.head_dim  # per query token and context token
+        self.logits = 2 * cfg.hidden_size * cfg.vocab_size
+
+    def step(self, out: SchedulerOutput, logits_rows: int) -> float:
+        # a chunk's tokens at positions [start, end) see contexts start+1 .. end
+        contexts = sum((c.end * (c.end + 1) - c.start * (c.start + 1)) // 2 for c in out.chunks)
+        return self.dense * out.num_tokens + self.attention * contexts + self.logits * logits_rows

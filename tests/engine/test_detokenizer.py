@@ -135,3 +135,23 @@ def test_streamed_deltas_plus_flush_equal_the_cut_full_text(ids, stop, pushes):
     streamed += detok.flush()
     assert streamed == expected
     assert detok.stopped == any(s in ByteDecoder().decode(ids) for s in stop)
+
+
+class CountingDecoder(ByteDecoder):
+    """Records how many ids each decode call reads."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.lengths.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_each_push_decodes_only_the_new_ids_and_their_context():
+    decoder = CountingDecoder()
+    detok = IncrementalDetokenizer(decoder)
+    ids = [HELLO, SPACE, WORLD, BANG] * 50 + [E1, E2]
+    text = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert text == ByteDecoder().decode(ids)
+    assert max(decoder.lengths) <= 3  # the previous push's id, the new one (and a split character's half)

@@ -1,0 +1,97 @@
+"""`cloudd agreement`: how far a compute dtype's greedy output strays from float32's on a
+trace's plan prompts (by default the first 100 requests of a fleet trace, the robot tasks the
+grammar tests run).
+
+Per request, the greedy continuation of ``tokens`` tokens (EOS ignored) through the engine in
+float32 (the reference) and in the compared dtype. Reported:
+
+- ``greedy_exact``: share of requests whose continuations are identical;
+- ``greedy_prefix``: mean share of each continuation equal to the reference before the first
+  difference (after it, the two read different text, so nothing more compares);
+- ``top1``: teacher-forced, the compared dtype reads the reference's prompt and continuation
+  in one forward; share of continuation positions where its argmax is the reference's token.
+  This is the per-token figure: it does not compound after a first difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cloudd.trace import TraceRequest
+from kernels.dense_attention import DenseAttentionStep
+from shared.engine.engine import Engine
+from shared.engine.engine_config import EngineConfig
+from shared.engine.kv.radix import common_prefix_len
+from shared.engine.sampling_params import SamplingParams
+from shared.model.checkpoint import Checkpoint
+from shared.model.llama import LlamaModel, build_model
+
+
+@dataclass(frozen=True)
+class Agreement:
+    dtype: str
+    requests: int
+    tokens: int  # per continuation
+    greedy_exact: float
+    greedy_prefix: float
+    top1: float
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str, tokens: int,
+                      config: EngineConfig, log: Callable[[str], None] = lambda _m: None) -> Agreement:
+    """``dtype`` (a name of ``EngineConfig.dtype``, not "auto") against float32 on ``requests``."""
+    start = time.perf_counter()
+    prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
+    log(f"greedy, float32 (reference), {len(prompts)} requests x {tokens} tokens ...")
+    reference = _greedy(ckpt, prompts, tokens, dataclasses.replace(config, dtype="float32"))
+    log(f"greedy, {dtype} ...")
+    compared = _greedy(ckpt, prompts, tokens, dataclasses.replace(config, dtype=dtype))
+    prefixes = [common_prefix_len(a, b) / tokens for a, b in zip(compared, reference, strict=True)]
+    log(f"teacher-forced top-1, {dtype} ...")
+    model = build_model(ckpt.config, ckpt.weights, dtype=EngineConfig(dtype=dtype).torch_dtype)
+    hits = sum(_teacher_forced_hits(model, p, ref) for p, ref in zip(prompts, reference, strict=True))
+    return Agreement(
+        dtype=dtype, requests=len(prompts), tokens=tokens,
+        greedy_exact=sum(p == 1.0 for p in prefixes) / len(prefixes),
+        greedy_prefix=sum(prefixes) / len(prefixes),
+        top1=hits / (tokens * len(prompts)),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _greedy(ckpt: Checkpoint, prompts: list[list[int]], tokens: int, config: EngineConfig) -> list[list[int]]:
+    model = build_model(ckpt.config, ckpt.weights, dtype=config.torch_dtype)
+    engine = Engine(model, ckpt.tokenizer, config)
+    done = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    engine.close()
+    return [r.output_token_ids for r in done]
+
+
+@torch.inference_mode()
+def _teacher_forced_hits(model: LlamaModel, prompt: list[int], continuation: list[int]) -> int:
+    """Positions of ``continuation`` where ``model``'s argmax, reading everything before it, is
+    that token: one forward over prompt + continuation on a dense KV buffer."""
+    ids = prompt + continuation[:-1]
+    cfg = model.config
+    dtype = model.embed_tokens.weight.dtype
+    caches = [(torch.zeros(len(ids), cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
+               torch.zeros(len(ids), cfg.num_kv_heads, cfg.head_dim, dtype=dtype)) for _ in range(cfg.num_layers)]
+    positions = torch.arange(len(ids))
+    hidden = model(torch.tensor(ids), positions, caches, DenseAttentionStep(positions, end=len(ids)))
+    predicted = model.logits(hidden[len(prompt) - 1 :]).argmax(dim=-1)  # [len(continuation)]
+    return int((predicted == torch.tensor(continuation)).sum())
+
+
+def format_agreement(a: Agreement) -> str:
+    return (f"{a.dtype} vs float32 over {a.requests} requests x {a.tokens} greedy tokens: "
+            f"top-1 {a.top1:.1%} (teacher-forced), greedy prefix {a.greedy_prefix:.1%}, "
+            f"identical continuations {a.greedy_exact:.0%} ({a.seconds:.0f} s)")
