@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
+from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel
 
 if TYPE_CHECKING:
     from shared.engine.kv.layer_fence import LayerFence
@@ -160,6 +161,9 @@ def _decode_attention(
     kvh = k_cache.shape[2]
     g = heads // kvh
     qg = q.view(nd, kvh, g, dim)  # kv head i serves query heads i*g .. i*g+g-1
+    if meta.decode_block_tables is not None:  # the device's kernel reads every row's blocks in place
+        return _in_place_kernel()(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                  scale, False)[0]
     if meta.num_decode_parts == 1:  # no shared segment: each row's one problem is its answer
         out = torch.empty_like(qg)
         for batch, batch_out, _ in _decode_batches(qg, k_cache, v_cache, meta, scale):
@@ -175,6 +179,12 @@ def _decode_attention(
     parts_out, parts_lse = parts_out.view(nd, slots, kvh, g, dim), parts_lse.view(nd, slots, kvh, g)
     weights = parts_lse[:, :-1].softmax(dim=1).to(q.dtype)[..., None]  # [nd, parts, kvh, g, 1]
     return (weights * parts_out[:, :-1]).sum(dim=1).reshape(nd, heads, dim)
+
+
+def _in_place_kernel() -> PagedDecode:
+    kernel = paged_decode_kernel()
+    assert kernel is not None, "in-place decode metadata is only built where the kernel is available"
+    return kernel
 
 
 def _decode_batches(
@@ -221,8 +231,14 @@ def grouped_query_attention(
     eye = torch.eye(kvh, dtype=q.dtype, device=q.device)[:, None, :, None]  # [kvh, 1, kvh', 1]
     q_block = (q[:, :, :, :, None, :] * eye).reshape(p, r * kvh * g, kvh * d)
     scores = torch.bmm(q_block, k.view(p, keys, kvh * d).transpose(1, 2)).float().mul_(scale).add_(mask)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [p, r * kvh * g, S]
+    if with_lse:  # one exp for both the probabilities and the log-sum-exp
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = scores.sub_(top).exp_()
+        total = weights.sum(dim=-1, keepdim=True)
+        probs = weights.div_(total).to(q.dtype)
+        lse = (top + total.log()).view(p, r, kvh, g)
+    else:
+        probs, lse = torch.softmax(scores, dim=-1).to(q.dtype), None  # [p, r * kvh * g, S]
     out = torch.bmm(probs, v.view(p, keys, kvh * d)).view(p, r, kvh, g, kvh, d)
     out = torch.diagonal(out, dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # [p, r, kvh, g, D]
-    lse = torch.logsumexp(scores, dim=-1).view(p, r, kvh, g) if with_lse else None
     return out, lse

@@ -5,7 +5,7 @@ are read once for several rows (see ``kernels.attention``), and each prefill seg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +84,10 @@ class AttentionMetadata:
     # layer costs page faults that dwarf the copy itself.
     decode_gather_buffer: torch.Tensor  # [2, blocks of the largest batch, block numel]
     prefills: tuple[PrefillSegment, ...]
+    # With ``in_place``: each decode row's whole block table, for a kernel that reads the pools
+    # in place (then ``decode_batches`` is empty). None otherwise.
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max blocks] int64, NULL-padded
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
 
     @staticmethod
     def build(
@@ -97,6 +101,7 @@ class AttentionMetadata:
         query_group: int = 1,
         min_saved_tokens: int = 512,
         device: torch.device | str = "cpu",
+        in_place: bool = False,
     ) -> "AttentionMetadata":
         """Build metadata from plain ints.
 
@@ -109,8 +114,11 @@ class AttentionMetadata:
             query_group: query heads per KV head (GQA).
             min_saved_tokens: read a shared segment once when that saves at least this many
                 token reads (smaller ones are cheaper inside each row's own gather).
+            in_place: describe the decode rows as whole block tables for an in-place kernel
+                (``decode_block_tables`` / ``decode_context_lens``) instead of cascade batches.
         """
-        problems, num_parts = _decode_problems(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
+        problems, num_parts = ([], 1) if in_place else _decode_problems(
+            decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
         batches = tuple(
             DecodeBatch.build(group, num_parts, block_size, null_block, device) for group in _batch_problems(problems)
         )
@@ -121,6 +129,8 @@ class AttentionMetadata:
             num_decode_parts=num_parts,
             decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in batches), default=0)),
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
+            decode_block_tables=_padded(decode_block_tables, null_block, device) if in_place else None,
+            decode_context_lens=torch.tensor(decode_context_lens, dtype=torch.int64, device=device) if in_place else None,
         )
 
 
@@ -135,6 +145,12 @@ class GatherWorkspace:
             grown = max(num_blocks, self._buffer.shape[1] * 5 // 4)
             self._buffer = self._buffer.new_empty(2, grown, self._buffer.shape[2])
         return self._buffer[:, :num_blocks]
+
+
+def _padded(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:  # [len(rows), max len]
+    width = max(map(len, rows), default=0)
+    return torch.tensor([[*r, *[pad] * (width - len(r))] for r in rows], dtype=torch.int64, device=device).view(
+        len(rows), width)
 
 
 def _decode_problems(

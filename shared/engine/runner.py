@@ -6,6 +6,7 @@ import torch
 
 from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
+from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -40,6 +41,10 @@ class ModelRunner:
         ]
         self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype, self.device)
         self.profile: StepProfile | None = None  # set by Engine.enable_profile
+        # On a CPU the compiled kernel reads every decode row's blocks in place (where it builds):
+        # faster there than the cascade of batched GEMMs over gathered copies, which remains
+        # the path of other devices (until their kernels) and the reference.
+        self.decode_in_place = self.device.type == "cpu" and supports_in_place_decode(cfg.head_dim, dtype)
         self._flops = _FlopCounter(model)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -100,6 +105,7 @@ class ModelRunner:
             workspace=self.workspace,
             query_group=self.model.config.num_heads // self.model.config.num_kv_heads,
             device=self.device,
+            in_place=self.decode_in_place,
         )
         sample_rows = [row for c in out.chunks
                        for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]

@@ -56,6 +56,15 @@ def one_by_one_requests(engine: Engine, prompts: list[list[int]]) -> list[Reques
     return reqs
 
 
+def tier_engine(model, config: EngineConfig) -> Engine:
+    """An engine that loads every lower-tier hit: the load-or-recompute cost model (timing-dependent:
+    a fast CPU recomputes a tiny model's tokens sooner than it reads a page) is not under test here."""
+    engine = Engine(model, None, config)
+    if engine.tiers is not None:
+        engine.tiers.cost.recompute_seconds = lambda num_tokens: float("inf")
+    return engine
+
+
 def never_evicted(prompts: list[list[int]]) -> list[list[int]]:
     return one_by_one(Engine(MODEL, None, EngineConfig(block_size=4, num_blocks=2000, scheduler=SCHED)), prompts)
 
@@ -65,7 +74,7 @@ def never_evicted(prompts: list[list[int]]) -> list[list[int]]:
 @given(seed=st.integers(0, 10_000))
 def test_reload_from_host_is_token_identical(policy, seed):
     prompts = returning_robots(random.Random(seed), robots=4, turns=3)
-    engine = Engine(MODEL, None, tier_config(num_blocks=30, policy=policy))
+    engine = tier_engine(MODEL, tier_config(num_blocks=30, policy=policy))
     assert one_by_one(engine, prompts) == never_evicted(prompts)
     stats = engine.stats().tiers
     if policy != "write_through_selective":  # selective backs up only pages hit on the device
@@ -77,7 +86,7 @@ def test_reload_from_host_is_token_identical(policy, seed):
 def test_host_spills_to_disk_and_reloads_identically(tmp_path):
     prompts = returning_robots(random.Random(7), robots=4, turns=3)
     # a host pool of a few pages: most pages spill to disk and come back from there
-    engine = Engine(MODEL, None, tier_config(num_blocks=30, disk_dir=str(tmp_path), host_mb=0.01))
+    engine = tier_engine(MODEL, tier_config(num_blocks=30, disk_dir=str(tmp_path), host_mb=0.01))
     assert engine.tiers.host.num_pages < 8
     assert one_by_one(engine, prompts) == never_evicted(prompts)
     stats = engine.stats().tiers
@@ -87,19 +96,18 @@ def test_host_spills_to_disk_and_reloads_identically(tmp_path):
 
 def test_restart_with_warm_disk_tier_hits(tmp_path):
     prompts = returning_robots(random.Random(3), robots=3, turns=2)
-    first = Engine(MODEL, None, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))
+    first = tier_engine(MODEL, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))
     first_reqs = one_by_one_requests(first, prompts)
     first.close()
     assert any(tmp_path.glob("*/*.kv"))
-    restarted = Engine(MODEL, None, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))
+    restarted = tier_engine(MODEL, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))
     restart_reqs = one_by_one_requests(restarted, prompts)
     assert [r.output_token_ids for r in restart_reqs] == [r.output_token_ids for r in first_reqs]
     first_hits = [r.num_cached_tokens for r in first_reqs]
     restart_hits = [r.num_cached_tokens for r in restart_reqs]
-    # The first engine's pages are on disk: the robot that came in cold now starts from them
-    # (its load is decided before any step is measured, so the cost model cannot decline it;
-    # a prefetch may have brought the pages up to the empty host tier first, so they count as
-    # host or disk hits). No request reuses less than in the first engine (same pool, same order).
+    # The first engine's pages are on disk: the robot that came in cold now starts from them (a
+    # prefetch may have brought the pages up to the empty host tier first, so they count as host
+    # or disk hits). No request reuses less than in the first engine (same pool, same order).
     tier_hits = restarted.stats().tiers.hit_tokens
     assert tier_hits["host"] + tier_hits["disk"] > 0
     assert first_hits[0] == 0 and restart_hits[0] >= restarted.config.block_size
@@ -111,7 +119,7 @@ def test_returning_robots_load_through_slotless_tree_nodes():
     # device eviction keeps backed-up nodes in the tree (slot-less, tier host); a returning
     # robot's load is found there, not by hash, and gives those nodes their slots back
     prompts = returning_robots(random.Random(5), robots=4, turns=3)
-    engine = Engine(MODEL, None, tier_config(num_blocks=30))
+    engine = tier_engine(MODEL, tier_config(num_blocks=30))
     kv, from_tree, slotless = engine.scheduler.kv, [], []
     find = kv.find_in_tiers
 

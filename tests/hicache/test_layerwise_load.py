@@ -19,7 +19,9 @@ from kernels.attention import PagedAttentionStep
 from shared.engine.engine import Engine
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.kv.layer_fence import LayerFence
-from tests.hicache.test_generation_tiers import GREEDY, MODEL, never_evicted, returning_robots, tier_config
+from tests.hicache.test_generation_tiers import (
+    GREEDY, MODEL, never_evicted, returning_robots, tier_config, tier_engine,
+)
 
 
 def by_turns(engine: Engine, prompts: list[list[int]], robots: int) -> list[list[int]]:
@@ -36,7 +38,7 @@ def by_turns(engine: Engine, prompts: list[list[int]], robots: int) -> list[list
 @given(seed=st.integers(0, 10_000))
 def test_layerwise_loads_are_token_identical(seed):
     prompts = returning_robots(random.Random(seed), robots=4, turns=3)
-    engine = Engine(MODEL, None, tier_config(num_blocks=30, layerwise_load="on"))
+    engine = tier_engine(MODEL, tier_config(num_blocks=30, layerwise_load="on"))
     assert by_turns(engine, prompts, robots=4) == never_evicted(prompts)
     stats = engine.stats().tiers
     assert stats.loads_layerwise > 0 and stats.hit_tokens["host"] > 0
@@ -47,7 +49,7 @@ def test_loads_through_disk_stay_whole_and_identical(tmp_path):
     # pages read from disk (or under another op) may fail or still be written: such loads
     # run whole, the request waits in WAITING_FOR_TIER_LOAD, and nothing changes in the output
     prompts = returning_robots(random.Random(11), robots=4, turns=3)
-    engine = Engine(MODEL, None, tier_config(num_blocks=30, disk_dir=str(tmp_path), host_mb=0.01,
+    engine = tier_engine(MODEL, tier_config(num_blocks=30, disk_dir=str(tmp_path), host_mb=0.01,
                                              layerwise_load="on", prefetch=False))
     assert by_turns(engine, prompts, robots=4) == never_evicted(prompts)
     stats = engine.stats().tiers
@@ -61,7 +63,7 @@ def test_forward_overlaps_the_rest_of_the_load(monkeypatch):
     landed."""
     prompts = returning_robots(random.Random(2), robots=4, turns=2)
     expected = never_evicted(prompts)
-    engine = Engine(MODEL, None, tier_config(num_blocks=30, layerwise_load="on"))
+    engine = tier_engine(MODEL, tier_config(num_blocks=30, layerwise_load="on"))
     outs = [r.output_token_ids for r in engine.generate(prompts[:4], GREEDY)]  # turn 1; evicts
     engine.tiers.drain()
 
@@ -115,7 +117,7 @@ def test_cuda_tiers_reload_identically(layerwise_load):
     whole; a returning robot's tokens are those of the CPU engine with the KV never evicted."""
     prompts = returning_robots(random.Random(4), robots=4, turns=3)
     config = dataclasses.replace(tier_config(num_blocks=30, layerwise_load=layerwise_load), device="cuda")
-    engine = Engine(model_copy(), None, config)
+    engine = tier_engine(model_copy(), config)
     assert engine.tiers.copier.host.is_pinned()
     assert by_turns(engine, prompts, robots=4) == never_evicted(prompts)
     stats = engine.stats().tiers

@@ -13,7 +13,7 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.tiny import tiny_model
-from tests.hicache.test_generation_tiers import SCHED, one_by_one, returning_robots, tier_config
+from tests.hicache.test_generation_tiers import SCHED, one_by_one, returning_robots, tier_config, tier_engine
 
 MODEL = tiny_model(tie_word_embeddings=False)
 SIX = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -28,7 +28,7 @@ def test_returning_fleet_at_once_in_a_small_pool_is_served(tiers, seed):
     num_blocks = -(-(max(map(len, prompts)) + SIX.max_tokens) // 4) + 2
     config = tier_config(num_blocks) if tiers == "on" else EngineConfig(block_size=4, num_blocks=num_blocks,
                                                                          scheduler=SCHED)
-    engine = Engine(MODEL, None, config)
+    engine = tier_engine(MODEL, config)
     one_by_one(engine, first)  # warm the host tier with every robot's history
     reqs = engine.generate(again, SIX)  # then the fleet returns all at once
     assert [r.num_output_tokens for r in reqs] == [6] * len(again)
@@ -58,11 +58,11 @@ def test_tier_load_extending_a_match_inside_a_long_locked_edge_is_served(tmp_pat
     a = list(range(1, 31))
     b = a[:10] + list(range(40, 60))
     two = SamplingParams(max_tokens=2, ignore_eos=True)
-    first = Engine(MODEL, None, tier_config(num_blocks=11, disk_dir=str(tmp_path), host_mb=0.01))
+    first = tier_engine(MODEL, tier_config(num_blocks=11, disk_dir=str(tmp_path), host_mb=0.01))
     (expected,) = first.generate([b], two)
     first.generate([list(range(60, 90))], two)  # pushes B's pages from the 5 host pages to disk
     first.close()
-    engine = Engine(MODEL, None, tier_config(num_blocks=11, disk_dir=str(tmp_path), host_mb=0.01))
+    engine = tier_engine(MODEL, tier_config(num_blocks=11, disk_dir=str(tmp_path), host_mb=0.01))
     engine.tiers.cost.recompute_seconds = lambda n: float(n)  # loading always beats recomputing
     engine.generate([a], two)
     (rb,) = engine.generate([b], two)

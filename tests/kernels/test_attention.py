@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kernels import attention
 from kernels.attention import attention_with_lse, paged_attention
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
+from kernels.paged_decode_cpu import paged_decode_kernel
 
 BS, KVH, HEADS, DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 
@@ -41,7 +42,14 @@ def test_paged_attention_through_the_non_cpu_kernel_equals_dense(monkeypatch):
         assert_paged_equals_dense(seed, num_decodes=5, num_prefills=2)
 
 
-def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int) -> None:
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="the CPU decode kernel could not be built here")
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), num_decodes=st.integers(1, 5), num_prefills=st.integers(0, 2))
+def test_paged_attention_with_the_in_place_cpu_kernel_equals_dense(seed, num_decodes, num_prefills):
+    assert_paged_equals_dense(seed, num_decodes, num_prefills, in_place=True)
+
+
+def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int, in_place: bool = False) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, BS, KVH, DIM)
@@ -66,8 +74,9 @@ def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int) ->
     meta = AttentionMetadata.build(
         [t for t, _ in decodes], [n for _, n in decodes], prefills, slot_mapping=[0] * rows,
         block_size=BS, null_block=0, workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
-        query_group=HEADS // KVH, min_saved_tokens=1,
+        query_group=HEADS // KVH, min_saved_tokens=1, in_place=in_place,
     )
+    assert (meta.decode_block_tables is not None) == in_place and (not in_place or not meta.decode_batches)
     out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
 
     def context(table, length):

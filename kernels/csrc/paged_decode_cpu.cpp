@@ -1,0 +1,209 @@
+// Paged decode attention on the CPU: one query token per row, reading K/V in place from the
+// paged pools (no gather into contiguous copies), GQA, online softmax in float32.
+//
+//   q            [rows, heads, D]                       float32 | bfloat16
+//   k/v caches   [num_blocks, block_size, kv_heads, D]  same dtype as q
+//   block_tables [rows, max_blocks] int64 (padding is never read: context_lens bound it)
+//   context_lens [rows] int64: keys of row r are its positions [0, context_lens[r])
+//   out          [rows, heads, D]                       q's dtype
+//   lse          [rows, heads] float32: log-sum-exp of each head's scaled scores (to merge
+//                with other partial results); returned when asked
+//
+// One task per (row, kv head): its g = heads / kv_heads query heads share every K/V row read.
+// Keys are taken one block at a time: scores for the block's tokens, then one rescale of the
+// running (max, sum, accumulator) per block, flash-decoding style. Rows that share a prefix
+// read the same blocks; a system prompt's KV per layer fits in L2, so later rows hit cache.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+namespace {
+
+// Element loads as float: bf16 is the high half of a float32 (a shift the compiler vectorizes).
+inline float load(const float* p, int64_t j) { return p[j]; }
+inline float load(const at::Half* p, int64_t j) { return static_cast<float>(p[j]); }
+inline float load(const at::BFloat16* p, int64_t j) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), in a form the compiler vectorizes (libm's
+// expf is a scalar call per score): 2^(x log2 e) as 2^floor times a degree-6 polynomial for the
+// fraction; relative error about 2e-7. Below -87 it returns about 1e-38, not 0: a weight that
+// small vanishes in the float32 sums anyway.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
+                  f * (0.00133335581f + f * 0.000154035304f)))));
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One (row, kv head) task: its `group` query heads over the row's context, block by block.
+// DIM is the head dimension as a compile-time constant so every inner loop vectorizes whole.
+template <typename T, int64_t DIM>
+struct DecodeTask {
+  // Partial sums per dot product: an AVX-512 register's 16 floats where DIM allows.
+  static constexpr int64_t kLanes = DIM % 16 == 0 ? 16 : 8;
+  static_assert(DIM % kLanes == 0, "head_dim must be a multiple of 8");
+  int64_t group, block_size, kv_heads;
+  float qf[16 * DIM];      // scaled queries, group <= 16
+  float acc[16 * DIM];     // running weighted sums of V
+  float scores[16 * 64];   // [group][block_size]
+  float run_max[16], run_sum[16];
+
+  void run(const T* __restrict__ q_row, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+           const int64_t* __restrict__ table, int64_t n, int64_t h, float scale) {
+    for (int64_t i = 0; i < group * DIM; ++i) qf[i] = load(q_row, i) * scale;
+    std::fill(acc, acc + group * DIM, 0.f);
+    std::fill(run_max, run_max + group, -std::numeric_limits<float>::infinity());
+    std::fill(run_sum, run_sum + group, 0.f);
+    const int64_t token_stride = kv_heads * DIM;
+    for (int64_t first = 0; first < n; first += block_size) {
+      const int64_t count = std::min(block_size, n - first);
+      const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
+      block_scores(k_cache + base, token_stride, count);
+      accumulate(v_cache + base, token_stride, count);
+    }
+  }
+
+  // scores = q . k for the block's tokens, then the online-softmax rescale of each head's state
+  void block_scores(const T* __restrict__ k_block, int64_t stride, int64_t count) {
+    for (int64_t g = 0; g < group; ++g) {
+      float qg[DIM];  // local: kept in registers across the block's tokens
+      std::memcpy(qg, qf + g * DIM, sizeof qg);
+      float* sg = scores + g * block_size;
+      for (int64_t t = 0; t < count; ++t) {
+        const T* kt = k_block + t * stride;
+        float lanes[kLanes] = {};  // DIM is a multiple of kLanes: one vector register of partial sums
+        for (int64_t j0 = 0; j0 < DIM; j0 += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l) lanes[l] += qg[j0 + l] * load(kt, j0 + l);
+        float s = 0.f;
+        for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
+        sg[t] = s;
+      }
+      const float new_max = std::max(run_max[g], *std::max_element(sg, sg + count));
+      const float correction = std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
+      float sum = run_sum[g] * correction;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < count; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - new_max);
+        sum += sg[t];
+      }
+      run_sum[g] = sum;
+      run_max[g] = new_max;
+      float* ag = acc + g * DIM;
+#pragma omp simd
+      for (int64_t j = 0; j < DIM; ++j) ag[j] *= correction;
+    }
+  }
+
+  void accumulate(const T* __restrict__ v_block, int64_t stride, int64_t count) {  // acc += p . v
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sg = scores + g * block_size;
+      float a[DIM];  // a local copy the compiler keeps in registers across the block's tokens
+      std::memcpy(a, acc + g * DIM, sizeof a);
+      for (int64_t t = 0; t < count; ++t) {
+        const float p = sg[t];
+        const T* vt = v_block + t * stride;
+        for (int64_t j = 0; j < DIM; ++j) a[j] += p * load(vt, j);
+      }
+      std::memcpy(acc + g * DIM, a, sizeof a);
+    }
+  }
+
+  void write(T* __restrict__ out_row, float* lse_row) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.f / run_sum[g];
+      for (int64_t j = 0; j < DIM; ++j) out_row[g * DIM + j] = static_cast<T>(acc[g * DIM + j] * inv);
+      if (lse_row != nullptr) lse_row[g] = run_max[g] + std::log(run_sum[g]);
+    }
+  }
+};
+
+template <typename T, int64_t DIM>
+void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
+                 T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
+                 int64_t max_blocks, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    auto task = std::make_unique<DecodeTask<T, DIM>>();
+    task->group = group;
+    task->block_size = block_size;
+    task->kv_heads = kv_heads;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / kv_heads, h = w % kv_heads;
+      const int64_t first_head = r * heads + h * group;
+      task->run(q + first_head * DIM, k_cache, v_cache, tables + r * max_blocks, lens[r], h, scale);
+      task->write(out + first_head * DIM, lse == nullptr ? nullptr : lse + first_head);
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                                     double scale, bool with_lse) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "paged_decode: block_tables and context_lens must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "paged_decode: head shapes");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= 16 && k_cache.size(1) <= 64, "paged_decode: at most 16 query heads per "
+              "KV head and 64 tokens per block");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "paged_decode: rows");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int64_t>() >= 1, "paged_decode: every row needs at least one key");
+  auto out = torch::empty_like(q);
+  auto lse = with_lse ? torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32)) : torch::Tensor();
+  const int64_t dim = q.size(2);
+  auto run = [&](auto element, auto dim_constant) {
+    using T = decltype(element);
+    decode_rows<T, decltype(dim_constant)::value>(
+        q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+        context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), with_lse ? lse.data_ptr<float>() : nullptr, q.size(0),
+        q.size(1), k_cache.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+  };
+  auto by_dim = [&](auto element) {
+    switch (dim) {  // keep in step with SUPPORTED_HEAD_DIMS in paged_decode_cpu.py
+      case 8: return run(element, std::integral_constant<int64_t, 8>{});
+      case 16: return run(element, std::integral_constant<int64_t, 16>{});
+      case 32: return run(element, std::integral_constant<int64_t, 32>{});
+      case 64: return run(element, std::integral_constant<int64_t, 64>{});
+      case 80: return run(element, std::integral_constant<int64_t, 80>{});
+      case 96: return run(element, std::integral_constant<int64_t, 96>{});
+      case 128: return run(element, std::integral_constant<int64_t, 128>{});
+      default: TORCH_CHECK(false, "paged_decode: head_dim ", dim, " is not compiled");
+    }
+  };
+  switch (q.scalar_type()) {
+    case torch::kFloat: by_dim(float{}); break;
+    case torch::kBFloat16: by_dim(at::BFloat16{}); break;
+    case torch::kHalf: by_dim(at::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode: dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)");
+}

@@ -1,0 +1,76 @@
+"""The CPU paged decode kernel against plain torch: each row's context gathered from its block
+table, its query heads expanded over their KV head, softmax in float32."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.paged_decode_cpu import paged_decode_kernel
+
+if paged_decode_kernel() is None and shutil.which("g++") is not None:
+    pytest.fail("a C++ compiler is here but the CPU decode kernel did not build (see the log)")
+pytestmark = pytest.mark.skipif(paged_decode_kernel() is None, reason="no C++ compiler: the torch path runs instead")
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """out [R, H, D] (float32), lse [R, H]: dense attention of each row over its gathered keys."""
+    rows, heads, dim = q.shape
+    group = heads // k_cache.shape[2]
+    outs, lses = [], []
+    for r in range(rows):
+        k = k_cache[tables[r]].reshape(-1, *k_cache.shape[2:])[: lens[r]].float()  # [L, KVH, D]
+        v = v_cache[tables[r]].reshape(-1, *v_cache.shape[2:])[: lens[r]].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", q[r].float(), k) * scale
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
+        lses.append(scores.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), kv_heads=st.sampled_from([1, 2, 3]),
+       group=st.sampled_from([1, 2, 3, 4]), dim=st.sampled_from([8, 16, 64]), block_size=st.sampled_from([1, 4, 16]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_kernel_equals_plain_torch(seed, rows, kv_heads, group, dim, block_size, dtype):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    q = torch.randn(rows, kv_heads * group, dim).to(dtype)
+    shared = rng.sample(range(1, num_blocks), 3)  # a prefix some rows share
+    lens = [rng.randrange(1, 5 * block_size + 1) for _ in range(rows)]  # partial last blocks too
+    tables = []
+    for n in lens:
+        needed = -(-n // block_size)
+        head = shared[:needed] if rng.random() < 0.5 else []
+        tables.append(head + rng.sample([b for b in range(1, num_blocks) if b not in head], needed - len(head)))
+    width = max(map(len, tables)) + rng.randrange(0, 3)  # padding past a row's blocks is never read
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    scale = dim**-0.5
+    out, lse = paged_decode_kernel()(q, k_cache, v_cache, padded, torch.tensor(lens), scale, True)
+    want_out, want_lse = reference(q, k_cache, v_cache, tables, lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_without_lse_the_second_result_is_none_and_bad_input_is_refused():
+    kernel = paged_decode_kernel()
+    q, cache = torch.randn(2, 4, 32), torch.randn(8, 4, 2, 32)
+    tables, lens = torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 4])
+    out, lse = kernel(q, cache, cache, tables, lens, 0.1, False)
+    assert out.shape == q.shape and lse is None
+    with pytest.raises(RuntimeError, match="at least one key"):
+        kernel(q, cache, cache, tables, torch.tensor([5, 0]), 0.1, False)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel(q.bfloat16(), cache, cache, tables, lens, 0.1, False)
+    with pytest.raises(RuntimeError, match="head_dim 24 is not compiled"):
+        kernel(torch.randn(2, 4, 24), *[torch.randn(8, 4, 2, 24)] * 2, tables, lens, 0.1, False)
