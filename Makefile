@@ -7,8 +7,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-# Spin-waiting OpenMP threads cost 2-5x on a shared CPU.
+# OpenMP threads spin briefly between ops, then sleep (the daemons set the same; README: Threads):
+# endless spinning costs 2-5x on a shared CPU, sleeping at once costs every op a wake-up.
 export OMP_WAIT_POLICY ?= PASSIVE
+export GOMP_SPINCOUNT ?= 10000
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup model kernels demo test bench bench-serve clean

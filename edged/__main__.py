@@ -4,10 +4,9 @@ quantization costs against the unquantized model)."""
 
 from __future__ import annotations
 
-import os
+from shared.config import set_openmp_wait_defaults
 
-# NOTE: before torch loads: spin-waiting OpenMP threads cost 2-5x on a shared CPU.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+set_openmp_wait_defaults()  # NOTE: before torch loads
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -10,6 +10,16 @@ if TYPE_CHECKING:
     from shared.engine.engine_config import EngineConfig
 
 
+def set_openmp_wait_defaults() -> None:
+    """How OpenMP threads wait between ops, unless the environment already says: call before torch
+    loads (a daemon's entry point does). They spin at most ``GOMP_SPINCOUNT`` iterations (tens of
+    microseconds), then sleep. Endless spinning (ACTIVE) costs 2-5x when another process wants the
+    cores; sleeping at once (PASSIVE alone) costs each of a step's ~500 parallel ops a wake-up
+    (measured: a 64-row decode step's dense layers 66 ms with PASSIVE alone, 35 ms with both)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # libgomp: overrides PASSIVE's zero spin
+
+
 def model_cache_dir() -> Path:
     """Where downloaded model files live.
 

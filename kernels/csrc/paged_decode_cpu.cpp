@@ -75,9 +75,20 @@ struct DecodeTask {
     for (int64_t first = 0; first < n; first += block_size) {
       const int64_t count = std::min(block_size, n - first);
       const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
+      if (first + block_size < n) {  // blocks lie anywhere in the pool: fetch the next one's rows now
+        const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
+        prefetch_rows(k_cache + next, token_stride, std::min(block_size, n - first - block_size));
+        prefetch_rows(v_cache + next, token_stride, std::min(block_size, n - first - block_size));
+      }
       block_scores(k_cache + base, token_stride, count);
       accumulate(v_cache + base, token_stride, count);
     }
+  }
+
+  static void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
+    constexpr int64_t kLineElements = 64 / sizeof(T);
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t j = 0; j < DIM; j += kLineElements) __builtin_prefetch(rows + t * stride + j);
   }
 
   // scores = q . k for the block's tokens, then the online-softmax rescale of each head's state
