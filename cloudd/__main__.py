@@ -3,9 +3,10 @@ against a running server), `chat` (one reply)."""
 
 from __future__ import annotations
 
-from shared.config import set_openmp_wait_defaults
+from shared.config import keep_freed_memory_in_process, set_openmp_wait_defaults
 
 set_openmp_wait_defaults()  # NOTE: before torch loads
+keep_freed_memory_in_process()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

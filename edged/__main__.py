@@ -4,9 +4,10 @@ quantization costs against the unquantized model)."""
 
 from __future__ import annotations
 
-from shared.config import set_openmp_wait_defaults
+from shared.config import keep_freed_memory_in_process, set_openmp_wait_defaults
 
 set_openmp_wait_defaults()  # NOTE: before torch loads
+keep_freed_memory_in_process()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

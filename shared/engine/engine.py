@@ -299,7 +299,10 @@ class Engine:
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
             self._masks.apply(logits, [starts[i] for i in constrained], [reqs[i].grammar for i in constrained])
-        firsts = self.sampler.sample(logits[starts], [r.request_id for r in reqs], [r.sampling for r in reqs])
+        # NOTE: without drafts every row is a first row: no copy (advanced indexing of a
+        # [256, vocab] tensor costs more than the argmax over it)
+        firsts_logits = logits if len(starts) == logits.shape[0] else logits.index_select(0, torch.tensor(starts))
+        firsts = self.sampler.sample(firsts_logits, [r.request_id for r in reqs], [r.sampling for r in reqs])
         picks = []
         for chunk, req, start, first in zip(chunks, reqs, starts, firsts, strict=True):
             tokens = [first]

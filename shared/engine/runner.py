@@ -74,7 +74,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches,
                                 step if profile is None else TimedAttentionStep(step, profile))
         with maybe_phase(profile, "logits"):
-            logits = self.model.logits(hidden[sample_rows]).cpu()
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.logits(hidden.index_select(0, rows)).cpu()
         if profile is not None:  # attention ran inside the model's phase: count it once
             profile.seconds["model"] -= profile.seconds["attention"] - attention_before
             profile.flops += self._flops.step(out, len(sample_rows))
