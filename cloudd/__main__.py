@@ -39,9 +39,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int)
 
 
-def _engine_config(args) -> EngineConfig:
-    """The config file (or defaults), then any flag given on the command line."""
-    base = load_engine_config(args.config) if args.config else EngineConfig(num_blocks=8192)
+# Offline replay without a config batches for throughput, as vLLM's offline LLM does: every
+# request may run at once (the trace's 256) and a step computes up to 2,048 tokens.
+OFFLINE_SCHEDULER = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+
+def _engine_config(args, offline: bool = False) -> EngineConfig:
+    """The config file (or defaults; ``offline``: OFFLINE_SCHEDULER's), then any flag given on
+    the command line."""
+    from shared.engine.scheduler import SchedulerConfig
+
+    base = load_engine_config(args.config) if args.config else EngineConfig(
+        num_blocks=8192, scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
     if args.config:
         from shared.config import load_section
         from shared.engine.kv.hicache_config import HiCacheConfig
@@ -70,7 +79,7 @@ def cmd_bench(args) -> int:
     opts = BenchOptions(
         trace=args.trace,
         model=_model_path(args),
-        engine=_engine_config(args),
+        engine=_engine_config(args, offline=True),
         indexes=args.index,
         response_formats=args.response_format,
         baselines=args.baseline or (),
