@@ -153,11 +153,13 @@ def test_bench_vllm_peer_not_set_up_fails_before_any_engine_run(tmp_path, monkey
 def test_bench_vllm_peer_missing_python_names_the_setup_script(tmp_path, monkeypatch, capsys):
     from cloudd.peer_baseline import PeerUnavailable, VllmPeer
 
-    peer = VllmPeer(scripts=Path(__file__).resolve().parents[3] / "shared" / "peers", install=tmp_path)
+    scripts = tmp_path / "peers"  # the scripts are there; the peer's venv and model are not
+    (scripts / "vllm-cpu").mkdir(parents=True)
+    (scripts / "vllm-cpu" / "offline.py").write_text("")
+    peer = VllmPeer(scripts=scripts, install=tmp_path / "install")
     with pytest.raises(PeerUnavailable, match=r"missing the vLLM venv.s python .* and the model folder") as e:
         peer.check()
-    if peer.script.is_file():  # beside the repo: shown relative to the repo root
-        assert "bash ../shared/peers/vllm-cpu/setup.sh" in str(e.value)
+    assert f"bash {scripts / 'vllm-cpu' / 'setup.sh'}" in str(e.value)
 
 
 def test_bench_vllm_peer_failure_shows_the_end_of_its_log(tiny_folder, tmp_path, monkeypatch, capsys):
