@@ -17,6 +17,7 @@ Reliability (the Lazy Pirate pattern, plus heartbeats and resumption):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -219,16 +220,18 @@ class FleetClient:
         sock.setsockopt(zmq.LINGER, 0)
         if self.config.curve is not None:
             self.config.curve.apply(sock)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.endpoint)
         return sock, monitor
 
-    def _handshake_refused(self, monitor: zmq.Socket) -> bool:
-        refused = False
+    @staticmethod
+    def _handshake_news(monitor: zmq.Socket, refused: bool) -> bool:
+        """Whether the daemon refuses our key, after the monitor's queued events (the latest
+        handshake decides; ``refused`` when there is no news)."""
         while monitor.poll(0):
-            event = zmq.utils.monitor.recv_monitor_message(monitor)
-            refused = refused or event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-                                                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+            refused = event != zmq.EVENT_HANDSHAKE_SUCCEEDED
         return refused
 
     def _run(self) -> None:
@@ -239,21 +242,27 @@ class FleetClient:
         poller.register(self._wake_r, zmq.POLLIN)
         last_heard = last_probe = time.monotonic()
         failures = 0
+        unsent: collections.deque[Message] = collections.deque()
+        refused = False  # the daemon refused our key: until it answers, every call fails at once
         try:
             while True:
                 events = dict(poller.poll(timeout=self.config.heartbeat_s * 1000 / 4))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
-                while True:  # send everything queued
+                while True:  # take everything queued
                     try:
                         msg = self._outbox.get_nowait()
                     except queue.Empty:
                         break
                     if msg is None:
                         return
-                    sock.send(encode(msg))
-                if monitor in events and self._handshake_refused(monitor):
+                    unsent.append(msg)
+                if monitor in events:  # NOTE: sticky: the refusal may come before any call is in flight
+                    refused = self._handshake_news(monitor, refused)
+                if refused and self._in_flight():
+                    unsent.clear()
                     self._fail_all(f"{self.endpoint} refused this client's CURVE key (authentication failed)")
+                _send_ready(sock, unsent)
                 if sock in events:
                     while sock.poll(0):
                         self._dispatch(sock.recv())
@@ -279,14 +288,17 @@ class FleetClient:
                     sock, monitor = self._connect()
                     poller.register(sock, zmq.POLLIN)
                     poller.register(monitor, zmq.POLLIN)
+                    unsent.clear()  # what the old socket did not send is re-sent below, as of now
                     for call in self._in_flight():
                         if call.request is not None:
-                            sock.send(encode(dataclasses.replace(call.request, resume_from=call.next_seq)))
+                            unsent.append(dataclasses.replace(call.request, resume_from=call.next_seq))
                         else:
-                            sock.send(encode(Cancel(call.request_id)))
+                            unsent.append(Cancel(call.request_id))
+                    _send_ready(sock, unsent)
                     last_heard = last_probe = now
                 elif now - last_heard >= self.config.heartbeat_s and now - last_probe >= self.config.heartbeat_s:
-                    sock.send(encode(Health()))
+                    unsent.append(Health())
+                    _send_ready(sock, unsent)
                     last_probe = now
         finally:
             sock.disable_monitor()
@@ -318,3 +330,14 @@ class FleetClient:
         with self._calls_lock:
             for rid in [rid for rid, c in self._calls.items() if c.done.is_set()]:
                 del self._calls[rid]
+
+
+def _send_ready(sock: zmq.Socket, unsent: collections.deque) -> None:
+    """Send queued messages in order without blocking: a DEALER with no connected peer (still
+    connecting, or refused) would block the I/O thread; what cannot go now waits for the next turn."""
+    while unsent:
+        try:
+            sock.send(encode(unsent[0]), zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        unsent.popleft()

@@ -160,9 +160,11 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(client):
     assert client.health(timeout_s=10) == "ok"
 
 
-def test_a_robot_key_the_cloud_does_not_know_is_refused(fleet):
+@pytest.mark.parametrize("idle_s", [0.0, 1.5], ids=["at-once", "after-the-handshake-failed"])
+def test_a_robot_key_the_cloud_does_not_know_is_refused(fleet, idle_s):
     curve = ClientCurve.from_files(fleet.server_public, fleet.rogue_secret)
     with FleetClient(fleet.cloud_endpoint, ClientConfig(timeout_s=5, retries=0, curve=curve)) as rogue:
+        time.sleep(idle_s)  # the refusal may come before any request is in flight
         with pytest.raises(RequestFailed) as e:
             rogue.generate(request("rogue-1"), timeout_s=30)
     assert e.value.code is ErrorCode.UNAVAILABLE and "refused" in str(e.value)
