@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # ids[prefix_offset:read_offset]: context decoded again
         self._read_offset = 0  # ids before this are in ``text``
+        self._window_taken = 0  # chars of the pending window (ids past read_offset) already in ``text``
         self._emitted = 0  # characters of the decoded text already returned
         self.text = ""  # everything decoded so far (cut at a stop string once stopped)
         self.stopped = False
@@ -36,10 +37,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
-        new_text = self._decode_new(final=False)
-        if not new_text:  # nothing new, or an incomplete UTF-8 sequence: wait for its rest
-            return ""
-        self.text += new_text
+        self.text += self._decode_new(final=False)
         hit = self._find_stop()
         if hit is not None:
             self.text = self.text[:hit]
@@ -54,16 +52,19 @@ class IncrementalDetokenizer:
         return self._release(len(self.text))
 
     def _decode_new(self, final: bool) -> str:
-        """The text that ids past ``read_offset`` add; "" (offsets kept) while it ends inside a
-        multi-byte character, unless ``final``."""
-        if self._read_offset == len(self._ids):
-            return ""
+        """What the ids past ``read_offset`` add that ``text`` does not hold yet. While they end
+        inside a multi-byte character (U+FFFD), only what comes before it, and the offsets stay
+        (the next push decodes the same window again), unless ``final``."""
         context = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._decoder.decode(self._ids[self._prefix_offset :])
-        if not final and (text.endswith("\ufffd") or len(text) <= len(context)):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return text[len(context) :]
+        window = self._decoder.decode(self._ids[self._prefix_offset :])[len(context) :]
+        if window.endswith("\ufffd") and not final:
+            complete = window.rstrip("\ufffd")
+            new = complete[self._window_taken :]
+            self._window_taken = max(self._window_taken, len(complete))
+            return new
+        new = window[self._window_taken :]
+        self._prefix_offset, self._read_offset, self._window_taken = self._read_offset, len(self._ids), 0
+        return new
 
     def _find_stop(self) -> int | None:
         window = max((len(s) for s in self._stop), default=0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shared.engine.detokenizer import IncrementalDetokenizer
@@ -122,6 +122,7 @@ def reference(ids: Sequence[int], stop: Sequence[str]) -> str:
     stop=st.lists(st.text(alphabet="ab#é! \n", min_size=1, max_size=4), max_size=3),
     pushes=st.lists(st.integers(1, 3), min_size=20, max_size=20),
 )
+@example(ids=[BANG, E1], stop=["!"], pushes=[2] + [1] * 19)  # a stop string before a split character
 def test_streamed_deltas_plus_flush_equal_the_cut_full_text(ids, stop, pushes):
     detok = IncrementalDetokenizer(ByteDecoder(), stop)
     expected = reference(ids, stop)
