@@ -113,7 +113,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
     requests = select_robots(load_trace(opts.trace, opts.limit), opts.robots)
     peer = _vllm_peer(opts) if "vllm" in opts.baselines else None
     if peer is not None:  # NOTE: before any engine run: a missing peer fails at once, not after an hour
-        peer.check(_dtype_name(opts.engine))
+        peer.check(opts.engine.dtype_choice.name)
     ckpt = load_checkpoint(opts.model)
     model = build_model(ckpt.config, ckpt.weights, dtype=opts.engine.torch_dtype)
     base, working_set = _size_pools(opts, ckpt, requests, log)
@@ -294,7 +294,7 @@ def _vllm_peer(opts: BenchOptions) -> VllmPeer:
 
 def _vllm_baseline(peer: VllmPeer, requests: list[TraceRequest], opts: BenchOptions, log) -> dict:
     """The peer's run on the same requests, output length and dtype, as a §6 run object."""
-    dtype = _dtype_name(opts.engine)
+    dtype = opts.engine.dtype_choice.name  # the peer runs the engine's dtype ("auto" resolved)
     log(f"vLLM CPU peer: {len(requests)} requests, {opts.output_len} output tokens each, {dtype}")
     run = run_vllm_offline(peer, requests, opts.output_len, dtype, progress=opts.progress)
     expected = len(requests) * opts.output_len
@@ -303,11 +303,6 @@ def _vllm_baseline(peer: VllmPeer, requests: list[TraceRequest], opts: BenchOpti
     run = {**run, "trace": str(opts.trace)}
     log(format_peer_run("vLLM CPU peer (offline.py)", run))
     return run
-
-
-def _dtype_name(config: EngineConfig) -> str:
-    """The dtype the engine computes in ("auto" resolved), by name: the peer runs the same."""
-    return str(config.torch_dtype).removeprefix("torch.")
 
 
 def _hf_baseline(ckpt: Checkpoint, requests: list[TraceRequest], opts: BenchOptions, log) -> dict:

@@ -52,12 +52,14 @@ def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str
     start = time.perf_counter()
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     log(f"greedy, float32 (reference), {len(prompts)} requests x {tokens} tokens ...")
-    reference = _greedy(ckpt, prompts, tokens, dataclasses.replace(config, dtype="float32"))
+    reference = _greedy(ckpt, build_model(ckpt.config, ckpt.weights, dtype=torch.float32), prompts, tokens,
+                        dataclasses.replace(config, dtype="float32"))
     log(f"greedy, {dtype} ...")
-    compared = _greedy(ckpt, prompts, tokens, dataclasses.replace(config, dtype=dtype))
+    compared_config = dataclasses.replace(config, dtype=dtype)
+    model = build_model(ckpt.config, ckpt.weights, dtype=compared_config.torch_dtype)
+    compared = _greedy(ckpt, model, prompts, tokens, compared_config)
     prefixes = [common_prefix_len(a, b) / tokens for a, b in zip(compared, reference, strict=True)]
     log(f"teacher-forced top-1, {dtype} ...")
-    model = build_model(ckpt.config, ckpt.weights, dtype=EngineConfig(dtype=dtype).torch_dtype)
     hits = sum(_teacher_forced_hits(model, p, ref) for p, ref in zip(prompts, reference, strict=True))
     return Agreement(
         dtype=dtype, requests=len(prompts), tokens=tokens,
@@ -68,8 +70,8 @@ def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str
     )
 
 
-def _greedy(ckpt: Checkpoint, prompts: list[list[int]], tokens: int, config: EngineConfig) -> list[list[int]]:
-    model = build_model(ckpt.config, ckpt.weights, dtype=config.torch_dtype)
+def _greedy(ckpt: Checkpoint, model: LlamaModel, prompts: list[list[int]], tokens: int,
+            config: EngineConfig) -> list[list[int]]:
     engine = Engine(model, ckpt.tokenizer, config)
     done = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
     engine.close()

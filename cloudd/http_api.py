@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from cloudd.metrics import ServerMetrics
+from shared.engine.request import stop_reason
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.messages import ChatMessage, Chunk, Error, ErrorCode, Generate, Priority, Result, Sampling
 from shared.transport.client import Call, FleetClient, Reply, RequestFailed
@@ -263,12 +264,10 @@ def _replies_by_step(call: Call, request: Generate, eos_token_ids: frozenset[int
 
 def _ends_request(chunk: Chunk, num_tokens: int, sampling: Sampling, eos_token_ids: frozenset[int]) -> bool:
     """Whether the engine surely finished the request with this chunk (its ``num_tokens``-th
-    token so far): ``max_tokens`` reached, or a stop or end-of-sequence token (the engine's rule,
-    ``shared.engine.request.stop_reason``)."""
-    if num_tokens >= sampling.max_tokens:
-        return True
+    token so far), by the engine's own stop rule; a stop string or a finished grammar is not
+    known here (the caller then waits for the result as a reply of its own)."""
     token = chunk.token_ids[-1] if chunk.token_ids else None
-    return token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_token_ids)
+    return stop_reason(sampling, token, eos_token_ids, False, num_tokens) is not None
 
 
 def _next_reply(call: Call, timeout_s: float | None) -> Reply | None:

@@ -23,6 +23,10 @@ from shared.progress import Progress
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = ("output_tok_s", "total_tok_s", "prefix_hit_rate", "wall_s")
 LOG_TAIL_LINES = 25
+# offline.py reports its median repeat, sorted by wall time: of two that is the slower one, and
+# repeats on these machines differ by up to 2x (632.6 and 341.8 tok/s in one run); three make
+# the median a median.
+PEER_REPEATS = 3
 
 
 class PeerUnavailable(RuntimeError):
@@ -72,7 +76,7 @@ class VllmPeer:
 
     def command(self, trace: Path, output_len: int, dtype: str) -> list[str]:
         return [str(self.python), str(self.script), "--trace", str(trace), "--model", str(self.model(dtype)),
-                "--output-len", str(output_len), "--dtype", dtype]
+                "--output-len", str(output_len), "--dtype", dtype, "--repeats", str(PEER_REPEATS)]
 
 
 def run_vllm_offline(peer: VllmPeer, requests: list[TraceRequest], output_len: int, dtype: str,

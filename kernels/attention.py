@@ -1,4 +1,5 @@
-"""Paged attention, plain torch (the CPU path and the reference twin of any GPU kernel).
+"""Paged attention: one function (``paged_attention``) over the paged KV pools, with the
+device's kernel underneath where there is one, and plain torch as the reference twin.
 
 KV lives in per-layer pools ``k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]``.
 The token at position ``p`` of a sequence sits at slot
@@ -9,7 +10,9 @@ tokens of each *prefill* segment (a chunk of a prompt, after any cached prefix):
 
     | decode 0 | decode 1 | ... | prefill A (n_A tokens) | prefill B (n_B tokens) | ...
 
-Decode attention is a cascade over shared blocks. Robots of one type share a long system
+Decode rows: on a CPU where the C++ kernel builds (``kernels.paged_decode_cpu``, metadata built
+``in_place``), one call per layer reads every row's blocks where they lie. Elsewhere, and as
+the reference, decode attention is a cascade over shared blocks. Robots of one type share a long system
 prompt, a robot's requests share its scene, and a replan shares its whole conversation; the
 radix cache makes all of them share *physical* blocks. The decode rows' block tables form a
 trie; each trie segment that enough rows pass through is read once for all of them (all
@@ -20,7 +23,8 @@ not matter)::
     row r:  | system prompt (128 rows) | scene (8 rows) | history (2 rows) | own blocks |
 
 All index tensors and masks are built once per step (``AttentionMetadata``), not per layer, on
-the device of the KV pools. Each attention call is torch's flash kernel on the CPU and the
+the device of the KV pools. A cascade's decode problems are two batched GEMMs each
+(``grouped_query_attention``); prefill segments are torch's flash kernel on the CPU and the
 float32 `attention_with_lse` elsewhere (`_flash_with_lse` dispatches).
 """
 
@@ -151,9 +155,8 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_decodes, heads, head_dim]
-    """One query per row; GQA by folding each KV head's query group into the query length.
-
-    Every row gets one partial result (output + log-sum-exp) from its own blocks (slot 0) and
+    """One query per row. With in-place metadata, the device kernel; else the cascade: every
+    row gets one partial result (output + log-sum-exp) from its own blocks (slot 0) and
     one from each shared segment it is in; a softmax over the slots' log-sum-exps weights them
     into the exact attention over the row's whole context.
     """
@@ -163,7 +166,7 @@ def _decode_attention(
     qg = q.view(nd, kvh, g, dim)  # kv head i serves query heads i*g .. i*g+g-1
     if meta.decode_block_tables is not None:  # the device's kernel reads every row's blocks in place
         return _in_place_kernel()(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                  scale, False)[0]
+                                  scale, False, meta.decode_row_order)[0]
     if meta.num_decode_parts == 1:  # no shared segment: each row's one problem is its answer
         out = torch.empty_like(qg)
         for batch, batch_out, _ in _decode_batches(qg, k_cache, v_cache, meta, scale):

@@ -58,16 +58,15 @@ class DecodeBatch:
         device: torch.device | str,
     ) -> "DecodeBatch":
         width = max(len(p.rows) for p in problems)
-        depth = max(len(p.blocks) for p in problems)
         rows = [p.rows + [p.rows[0]] * (width - len(p.rows)) for p in problems]
-        parts = [p.parts + [scratch_part] * (width - len(p.rows)) for p in problems]
-        tables = [p.blocks + [null_block] * (depth - len(p.blocks)) for p in problems]
-        visible = torch.arange(depth * block_size)[None, :] < torch.tensor([p.num_keys for p in problems])[:, None]
+        block_tables = _padded([p.blocks for p in problems], null_block, device)
+        visible = torch.arange(block_tables.shape[1] * block_size)[None, :] < torch.tensor(
+            [p.num_keys for p in problems])[:, None]
         mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
         return DecodeBatch(
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            parts=torch.tensor(parts, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+            parts=_padded([p.parts for p in problems], scratch_part, device),
+            block_tables=block_tables,
             mask=mask.to(device),
         )
 
@@ -88,6 +87,9 @@ class AttentionMetadata:
     # in place (then ``decode_batches`` is empty). None otherwise.
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max blocks] int64, NULL-padded
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    # Rows sorted by block table, the order the kernel runs them in: rows that share blocks (a
+    # system prompt, a robot's scene) run next to each other and find them in cache.
+    decode_row_order: torch.Tensor | None = None  # [num_decodes] int64, a permutation
 
     @staticmethod
     def build(
@@ -131,6 +133,8 @@ class AttentionMetadata:
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
             decode_block_tables=_padded(decode_block_tables, null_block, device) if in_place else None,
             decode_context_lens=torch.tensor(decode_context_lens, dtype=torch.int64, device=device) if in_place else None,
+            decode_row_order=torch.tensor(sorted(range(len(decode_block_tables)), key=lambda r: decode_block_tables[r]),
+                                          dtype=torch.int64, device=device) if in_place else None,
         )
 
 

@@ -24,9 +24,9 @@ SUPPORTED_HEAD_DIMS = frozenset({8, 16, 32, 64, 80, 96, 128})  # compiled instan
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 # (q [R, H, D], k_cache, v_cache [N, B, KVH, D], block_tables [R, M] int64, context_lens [R] int64 (each >= 1),
-#  scale, with_lse) -> (out [R, H, D] in q's dtype, lse [R, H] float32, or None when not asked)
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, bool],
-                       tuple[torch.Tensor, torch.Tensor | None]]
+#  scale, with_lse, row_order [R] int64 permutation or None) -> (out [R, H, D] in q's dtype, lse [R, H] float32,
+#  or None when not asked)
+PagedDecode = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @functools.cache

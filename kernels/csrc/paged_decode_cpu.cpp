@@ -12,7 +12,7 @@
 // One task per (row, kv head): its g = heads / kv_heads query heads share every K/V row read.
 // Keys are taken one block at a time: scores for the block's tokens, then one rescale of the
 // running (max, sum, accumulator) per block, flash-decoding style. Rows that share a prefix
-// read the same blocks; a system prompt's KV per layer fits in L2, so later rows hit cache.
+// read the same blocks; run next to each other (row_order), they find them in cache.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,6 +26,7 @@
 #include <vector>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 namespace {
@@ -83,10 +84,10 @@ struct DecodeTask {
 #else
   static constexpr bool kNativeBf16Dot = false;
 #endif
-  T q_bf16[16 * DIM];      // the unscaled queries, for the native bf16 dot
+  const T* q_raw = nullptr;  // the unscaled queries, read in place by the native bf16 dot
   float scale_ = 1.f;
   int64_t group, block_size, kv_heads;
-  float qf[16 * DIM];      // scaled queries, group <= 16
+  float qf[16 * DIM];      // scaled queries, group <= 16 (without the native bf16 dot)
   float acc[16 * DIM];     // running weighted sums of V
   float scores[16 * 64];   // [group][block_size]
   float run_max[16], run_sum[16];
@@ -94,8 +95,9 @@ struct DecodeTask {
   void run(const T* __restrict__ q_row, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
            const int64_t* __restrict__ table, int64_t n, int64_t h, float scale) {
     scale_ = scale;
-    for (int64_t i = 0; i < group * DIM; ++i) qf[i] = load(q_row, i) * scale;
-    if constexpr (kNativeBf16Dot) std::copy(q_row, q_row + group * DIM, q_bf16);
+    q_raw = q_row;
+    if constexpr (!kNativeBf16Dot)
+      for (int64_t i = 0; i < group * DIM; ++i) qf[i] = load(q_row, i) * scale;
     std::fill(acc, acc + group * DIM, 0.f);
     std::fill(run_max, run_max + group, -std::numeric_limits<float>::infinity());
     std::fill(run_sum, run_sum + group, 0.f);
@@ -122,22 +124,8 @@ struct DecodeTask {
   // scores = q . k for the block's tokens, then the online-softmax rescale of each head's state
   void block_scores(const T* __restrict__ k_block, int64_t stride, int64_t count) {
     for (int64_t g = 0; g < group; ++g) {
-      float qg[DIM];  // local: kept in registers across the block's tokens
-      std::memcpy(qg, qf + g * DIM, sizeof qg);
       float* sg = scores + g * block_size;
-      for (int64_t t = 0; t < count; ++t) {
-        const T* kt = k_block + t * stride;
-        if constexpr (kNativeBf16Dot) {
-          sg[t] = bf16_dot<DIM>(q_bf16 + g * DIM, kt) * scale_;
-          continue;
-        }
-        float lanes[kLanes] = {};  // DIM is a multiple of kLanes: one vector register of partial sums
-        for (int64_t j0 = 0; j0 < DIM; j0 += kLanes)
-          for (int64_t l = 0; l < kLanes; ++l) lanes[l] += qg[j0 + l] * load(kt, j0 + l);
-        float s = 0.f;
-        for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
-        sg[t] = s;
-      }
+      for (int64_t t = 0; t < count; ++t) sg[t] = dot(g, k_block + t * stride);
       const float new_max = std::max(run_max[g], *std::max_element(sg, sg + count));
       const float correction = std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
       float sum = run_sum[g] * correction;
@@ -151,6 +139,20 @@ struct DecodeTask {
       float* ag = acc + g * DIM;
 #pragma omp simd
       for (int64_t j = 0; j < DIM; ++j) ag[j] *= correction;
+    }
+  }
+
+  float dot(int64_t g, const T* __restrict__ kt) const {  // scaled q_g . k
+    if constexpr (kNativeBf16Dot) {
+      return bf16_dot<DIM>(q_raw + g * DIM, kt) * scale_;
+    } else {
+      const float* qg = qf + g * DIM;
+      float lanes[kLanes] = {};  // DIM is a multiple of kLanes: one vector register of partial sums
+      for (int64_t j0 = 0; j0 < DIM; j0 += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += qg[j0 + l] * load(kt, j0 + l);
+      float s = 0.f;
+      for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
+      return s;
     }
   }
 
@@ -179,17 +181,9 @@ struct DecodeTask {
 
 template <typename T, int64_t DIM>
 void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
-                 T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
+                 const int64_t* order, T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
                  int64_t max_blocks, float scale) {
   const int64_t group = heads / kv_heads;
-  // Rows that share blocks (a system prompt, a robot's scene) run back to back, sorted by block
-  // table, so each thread finds the shared blocks still in its cache.
-  std::vector<int64_t> order(rows);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return std::lexicographical_compare(tables + a * max_blocks, tables + (a + 1) * max_blocks,
-                                        tables + b * max_blocks, tables + (b + 1) * max_blocks);
-  });
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     auto task = std::make_unique<DecodeTask<T, DIM>>();
     task->group = group;
@@ -208,7 +202,8 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                                     double scale, bool with_lse) {
+                                                     double scale, bool with_lse,
+                                                     std::optional<torch::Tensor> row_order) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -224,6 +219,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   context_lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
   TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int64_t>() >= 1, "paged_decode: every row needs at least one key");
+  // The order rows run in (a permutation; default: as given). The caller sorts rows that share
+  // blocks next to each other once per step, so each thread finds shared blocks still in cache.
+  torch::Tensor order = row_order.has_value() ? row_order->contiguous() : torch::arange(q.size(0), torch::kInt64);
+  TORCH_CHECK(order.scalar_type() == torch::kInt64 && order.numel() == q.size(0) &&
+              (order.numel() == 0 || torch::equal(std::get<0>(order.sort()), torch::arange(q.size(0), torch::kInt64))),
+              "paged_decode: row_order must be a permutation of the rows (int64)");
   auto out = torch::empty_like(q);
   auto lse = with_lse ? torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32)) : torch::Tensor();
   const int64_t dim = q.size(2);
@@ -231,7 +232,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
     using T = decltype(element);
     decode_rows<T, decltype(dim_constant)::value>(
         q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
-        context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), with_lse ? lse.data_ptr<float>() : nullptr, q.size(0),
+        context_lens.data_ptr<int64_t>(), order.data_ptr<int64_t>(), out.data_ptr<T>(), with_lse ? lse.data_ptr<float>() : nullptr, q.size(0),
         q.size(1), k_cache.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
   };
   auto by_dim = [&](auto element) {
@@ -256,5 +257,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
 }

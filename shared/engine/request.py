@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.engine.sampling_params import SamplingParams
-from shared.protocol.messages import Priority
+from shared.protocol.messages import Priority, Sampling
 
 if TYPE_CHECKING:
     from shared.engine.grammar.matcher import GrammarState
@@ -38,10 +38,11 @@ class FinishReason(enum.Enum):
 
 
 
-def stop_reason(sampling: SamplingParams, token: int, eos_token_ids: Collection[int], grammar_finished: bool,
-                num_output_tokens: int) -> FinishReason | None:
+def stop_reason(sampling: SamplingParams | Sampling, token: int | None, eos_token_ids: Collection[int],
+                grammar_finished: bool, num_output_tokens: int) -> FinishReason | None:
     """Why a request ends after emitting ``token`` (its ``num_output_tokens``-th), or None: a stop
-    token or end-of-sequence (unless ``ignore_eos``), a grammar that accepted its end, ``max_tokens``."""
+    token or end-of-sequence (unless ``ignore_eos``), a grammar that accepted its end, ``max_tokens``.
+    The engine's rule, also read by a protocol client (the HTTP API) from the wire's ``Sampling``."""
     if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_token_ids):
         return FinishReason.STOP
     if grammar_finished:

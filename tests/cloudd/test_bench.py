@@ -86,7 +86,7 @@ def test_bench_compares_tier_variants(tiny_folder, capsys):
 FAKE_OFFLINE = '''
 import argparse, json, sys
 ap = argparse.ArgumentParser()
-for flag in ("--trace", "--model", "--output-len", "--dtype"):
+for flag in ("--trace", "--model", "--output-len", "--dtype", "--repeats"):  # offline.py's flags
     ap.add_argument(flag)
 args = ap.parse_args()
 print("INFO vllm noise on stdout")

@@ -54,7 +54,8 @@ def test_kernel_equals_plain_torch(seed, rows, kv_heads, group, dim, block_size,
     width = max(map(len, tables)) + rng.randrange(0, 3)  # padding past a row's blocks is never read
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     scale = dim**-0.5
-    out, lse = paged_decode_kernel()(q, k_cache, v_cache, padded, torch.tensor(lens), scale, True)
+    order = torch.tensor(rng.sample(range(rows), rows))  # the order rows run in changes nothing
+    out, lse = paged_decode_kernel()(q, k_cache, v_cache, padded, torch.tensor(lens), scale, True, order)
     want_out, want_lse = reference(q, k_cache, v_cache, tables, lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and out.shape == q.shape
@@ -70,6 +71,8 @@ def test_without_lse_the_second_result_is_none_and_bad_input_is_refused():
     assert out.shape == q.shape and lse is None
     with pytest.raises(RuntimeError, match="at least one key"):
         kernel(q, cache, cache, tables, torch.tensor([5, 0]), 0.1, False)
+    with pytest.raises(RuntimeError, match="permutation"):
+        kernel(q, cache, cache, tables, lens, 0.1, False, torch.tensor([1, 1]))
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernel(q.bfloat16(), cache, cache, tables, lens, 0.1, False)
     with pytest.raises(RuntimeError, match="head_dim 24 is not compiled"):
