@@ -57,18 +57,14 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-#if defined(__AVX512BF16__)
-template <int64_t DIM>
-inline float bf16_dot(const at::BFloat16* a, const at::BFloat16* b) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < DIM; j += 32)
-    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(a + j), (__m512bh)_mm512_loadu_si512(b + j));
-  return _mm512_reduce_add_ps(sum);
+
+// Blocks lie anywhere in the pool: a task fetches its next block's rows while it computes.
+template <typename T, int64_t DIM>
+inline void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
+  constexpr int64_t kLineElements = 64 / sizeof(T);
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t j = 0; j < DIM; j += kLineElements) __builtin_prefetch(rows + t * stride + j);
 }
-#else
-template <int64_t DIM>
-inline float bf16_dot(const at::BFloat16*, const at::BFloat16*) { return 0.f; }  // never called
-#endif
 
 // One (row, kv head) task: its `group` query heads over the row's context, block by block.
 // DIM is the head dimension as a compile-time constant so every inner loop vectorizes whole.
@@ -77,27 +73,15 @@ struct DecodeTask {
   // Partial sums per dot product: an AVX-512 register's 16 floats where DIM allows.
   static constexpr int64_t kLanes = DIM % 16 == 0 ? 16 : 8;
   static_assert(DIM % kLanes == 0, "head_dim must be a multiple of 8");
-#if defined(__AVX512BF16__)
-  // bf16 q . k with the CPU's bf16 dot-product instruction: 32 products per instruction,
-  // accumulated in float32 (the model's own bf16 values, no rounding beyond theirs)
-  static constexpr bool kNativeBf16Dot = std::is_same_v<T, at::BFloat16> && DIM % 32 == 0;
-#else
-  static constexpr bool kNativeBf16Dot = false;
-#endif
-  const T* q_raw = nullptr;  // the unscaled queries, read in place by the native bf16 dot
-  float scale_ = 1.f;
   int64_t group, block_size, kv_heads;
-  float qf[16 * DIM];      // scaled queries, group <= 16 (without the native bf16 dot)
+  float qf[16 * DIM];      // scaled queries, group <= 16
   float acc[16 * DIM];     // running weighted sums of V
   float scores[16 * 64];   // [group][block_size]
   float run_max[16], run_sum[16];
 
   void run(const T* __restrict__ q_row, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
            const int64_t* __restrict__ table, int64_t n, int64_t h, float scale) {
-    scale_ = scale;
-    q_raw = q_row;
-    if constexpr (!kNativeBf16Dot)
-      for (int64_t i = 0; i < group * DIM; ++i) qf[i] = load(q_row, i) * scale;
+    for (int64_t i = 0; i < group * DIM; ++i) qf[i] = load(q_row, i) * scale;
     std::fill(acc, acc + group * DIM, 0.f);
     std::fill(run_max, run_max + group, -std::numeric_limits<float>::infinity());
     std::fill(run_sum, run_sum + group, 0.f);
@@ -107,18 +91,12 @@ struct DecodeTask {
       const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
       if (first + block_size < n) {  // blocks lie anywhere in the pool: fetch the next one's rows now
         const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
-        prefetch_rows(k_cache + next, token_stride, std::min(block_size, n - first - block_size));
-        prefetch_rows(v_cache + next, token_stride, std::min(block_size, n - first - block_size));
+        prefetch_rows<T, DIM>(k_cache + next, token_stride, std::min(block_size, n - first - block_size));
+        prefetch_rows<T, DIM>(v_cache + next, token_stride, std::min(block_size, n - first - block_size));
       }
       block_scores(k_cache + base, token_stride, count);
       accumulate(v_cache + base, token_stride, count);
     }
-  }
-
-  static void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
-    constexpr int64_t kLineElements = 64 / sizeof(T);
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t j = 0; j < DIM; j += kLineElements) __builtin_prefetch(rows + t * stride + j);
   }
 
   // scores = q . k for the block's tokens, then the online-softmax rescale of each head's state
@@ -143,17 +121,13 @@ struct DecodeTask {
   }
 
   float dot(int64_t g, const T* __restrict__ kt) const {  // scaled q_g . k
-    if constexpr (kNativeBf16Dot) {
-      return bf16_dot<DIM>(q_raw + g * DIM, kt) * scale_;
-    } else {
-      const float* qg = qf + g * DIM;
-      float lanes[kLanes] = {};  // DIM is a multiple of kLanes: one vector register of partial sums
-      for (int64_t j0 = 0; j0 < DIM; j0 += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += qg[j0 + l] * load(kt, j0 + l);
-      float s = 0.f;
-      for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
-      return s;
-    }
+    const float* qg = qf + g * DIM;
+    float lanes[kLanes] = {};  // DIM is a multiple of kLanes: one vector register of partial sums
+    for (int64_t j0 = 0; j0 < DIM; j0 += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += qg[j0 + l] * load(kt, j0 + l);
+    float s = 0.f;
+    for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
+    return s;
   }
 
   void accumulate(const T* __restrict__ v_block, int64_t stride, int64_t count) {  // acc += p . v
@@ -179,13 +153,181 @@ struct DecodeTask {
   }
 };
 
+#if defined(__AVX512BF16__)
+// The bf16 task on CPUs with AVX-512 BF16, 16 keys at a time in vector registers:
+//   q . k   the 16 keys' rows are transposed in registers into (dimension pair) x (key) order,
+//           so one bf16 dot-product instruction adds a query's pair of dimensions to all 16
+//           scores at once (no horizontal sums); every query head of the group reuses the
+//           transposed keys;
+//   softmax the 16 scores of a head as one vector: max, exp (a polynomial on 2^fraction,
+//           scaled by 2^whole), sum;
+//   p . v   each value row is widened to float32 once and added, weighted, into the
+//           accumulators of up to kHeadsPerPass heads held in registers.
+// Products are exact bf16 x bf16 sums in float32 accumulators, as in the generic task.
+
+// In-register transpose of 16 rows of 16 dwords: on return r[c] holds dword c of every row.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), x3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+}
+
+// exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial, the power of two applied by scalef.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_set1_ps(0.000154035304f);
+  for (float c : {0.00133335581f, 0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, whole);
+}
+
+template <int64_t DIM>
+struct Bf16DecodeTask {
+  static_assert(DIM % 32 == 0, "the bf16 task reads keys 32 dimensions (16 dword pairs) at a time");
+  static constexpr int64_t kChunks = DIM / 32;       // 16-dword column chunks of a key row
+  static constexpr int64_t kVecs = DIM / 16;         // float32 vectors per value row
+  static constexpr int64_t kHeadsPerPass = DIM <= 32 ? 8 : DIM <= 64 ? 4 : 2;  // accumulators in registers
+  static constexpr int64_t kTile = 16;
+  int64_t group, block_size, kv_heads;
+  const uint32_t* q_pairs = nullptr;  // the group's queries, read in place as bf16 pairs
+  float scale_ = 1.f;
+  alignas(64) float acc[16 * DIM];      // running weighted sums of V, per head
+  alignas(64) float probs[16 * kTile];  // the tile's exp(score - max), per head
+  float correction[16];
+  float run_max[16], run_sum[16];
+
+  void run(const at::BFloat16* __restrict__ q_row, const at::BFloat16* __restrict__ k_cache,
+           const at::BFloat16* __restrict__ v_cache, const int64_t* __restrict__ table, int64_t n, int64_t h,
+           float scale) {
+    q_pairs = reinterpret_cast<const uint32_t*>(q_row);
+    scale_ = scale;
+    std::fill(acc, acc + group * DIM, 0.f);
+    std::fill(run_max, run_max + group, -std::numeric_limits<float>::infinity());
+    std::fill(run_sum, run_sum + group, 0.f);
+    const int64_t token_stride = kv_heads * DIM;
+    for (int64_t first = 0; first < n; first += block_size) {
+      const int64_t count = std::min(block_size, n - first);
+      const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
+      if (first + block_size < n) {
+        const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
+        prefetch_rows<at::BFloat16, DIM>(k_cache + next, token_stride, std::min(block_size, n - first - block_size));
+        prefetch_rows<at::BFloat16, DIM>(v_cache + next, token_stride, std::min(block_size, n - first - block_size));
+      }
+      for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+        const int64_t tile = std::min(kTile, count - t0);
+        tile_softmax(k_cache + base + t0 * token_stride, token_stride, tile);
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+          switch (std::min(kHeadsPerPass, group - g0)) {
+            case 1: accumulate<1>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            case 2: accumulate<2>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            case 3: accumulate<3>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            case 4: accumulate<4>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            case 5: accumulate<5>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            case 6: accumulate<6>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            case 7: accumulate<7>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+            default: accumulate<8>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
+          }
+        }
+      }
+    }
+  }
+
+  // Scores of the tile's keys for every head, then each head's online-softmax update: probs
+  // for the tile, the correction its accumulator takes before they are added.
+  void tile_softmax(const at::BFloat16* __restrict__ k_rows, int64_t stride, int64_t count) {
+    __m512 scores[16];
+    for (int64_t g = 0; g < group; ++g) scores[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kChunks; ++c) {
+      __m512i keys[16];
+      for (int64_t t = 0; t < kTile; ++t)
+        keys[t] = t < count ? _mm512_loadu_si512(k_rows + t * stride + c * 32) : _mm512_setzero_si512();
+      transpose16x16(keys);  // keys[p]: dimension pair c * 16 + p of every key
+      for (int64_t g = 0; g < group; ++g) {
+        const uint32_t* qg = q_pairs + g * (DIM / 2) + c * 16;
+        __m512 s = scores[g];
+        for (int64_t p = 0; p < 16; ++p)
+          s = _mm512_dpbf16_ps(s, (__m512bh)keys[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[p])));
+        scores[g] = s;
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, scores[g],
+                                          _mm512_set1_ps(scale_));
+      const float new_max = std::max(run_max[g], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      correction[g] = std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
+      run_sum[g] = run_sum[g] * correction[g] + _mm512_reduce_add_ps(e);
+      run_max[g] = new_max;
+      _mm512_store_ps(probs + g * kTile, e);
+    }
+  }
+
+  // acc[g] = acc[g] * correction[g] + sum_t probs[g][t] v_t for heads g0 .. g0 + HEADS - 1.
+  template <int64_t HEADS>
+  void accumulate(int64_t g0, const at::BFloat16* __restrict__ v_rows, int64_t stride, int64_t count) {
+    __m512 a[HEADS][kVecs];
+    for (int64_t g = 0; g < HEADS; ++g) {
+      const __m512 corr = _mm512_set1_ps(correction[g0 + g]);
+      for (int64_t j = 0; j < kVecs; ++j) a[g][j] = _mm512_mul_ps(_mm512_load_ps(acc + (g0 + g) * DIM + j * 16), corr);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      __m512 v[kVecs];
+      for (int64_t j = 0; j < kVecs; ++j)
+        v[j] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + t * stride + j * 16)));
+      for (int64_t g = 0; g < HEADS; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[(g0 + g) * kTile + t]);
+        for (int64_t j = 0; j < kVecs; ++j) a[g][j] = _mm512_fmadd_ps(p, v[j], a[g][j]);
+      }
+    }
+    for (int64_t g = 0; g < HEADS; ++g)
+      for (int64_t j = 0; j < kVecs; ++j) _mm512_store_ps(acc + (g0 + g) * DIM + j * 16, a[g][j]);
+  }
+
+  void write(at::BFloat16* __restrict__ out_row, float* lse_row) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.f / run_sum[g];
+      for (int64_t j = 0; j < DIM; ++j) out_row[g * DIM + j] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
+      if (lse_row != nullptr) lse_row[g] = run_max[g] + std::log(run_sum[g]);
+    }
+  }
+};
+#endif  // __AVX512BF16__
+
+// The task a (dtype, head_dim) runs: the bf16 one where the CPU has the instructions.
+template <typename T, int64_t DIM, typename = void>
+struct TaskFor { using type = DecodeTask<T, DIM>; };
+#if defined(__AVX512BF16__)
+template <int64_t DIM>
+struct TaskFor<at::BFloat16, DIM, std::enable_if_t<DIM % 32 == 0>> { using type = Bf16DecodeTask<DIM>; };
+#endif
+
 template <typename T, int64_t DIM>
 void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
                  const int64_t* order, T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
                  int64_t max_blocks, float scale) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    auto task = std::make_unique<DecodeTask<T, DIM>>();
+    auto task = std::make_unique<typename TaskFor<T, DIM>::type>();
     task->group = group;
     task->block_size = block_size;
     task->kv_heads = kv_heads;
