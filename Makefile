@@ -27,11 +27,11 @@ setup: $(STAMP)
 model: setup
 	$(PY) -m shared.model.fetch
 
-# The CPU decode kernel (kernels/csrc, C++), built ahead so that no request waits on the compiler
+# The CPU kernels (kernels/csrc, C++), built ahead so that no request waits on the compiler
 # (about 25 s the first time; torch's extension cache keeps it until the source changes). Where it
 # cannot build, the engine runs its plain-torch path: the leading '-' keeps going.
 kernels: setup
-	-$(PY) -m kernels.paged_decode_cpu
+	-$(PY) -m kernels.cpu_extension
 
 # The ROS 2 node (robot_sdk.ros): the `ros` extra's wheels, then fleetserve_interfaces built with
 # cmake into the venv (about a minute the first time; the script is a no-op when up to date).

@@ -24,8 +24,10 @@ not matter)::
 
 All index tensors and masks are built once per step (``AttentionMetadata``), not per layer, on
 the device of the KV pools. A cascade's decode problems are two batched GEMMs each
-(``grouped_query_attention``); prefill segments are torch's flash kernel on the CPU and the
-float32 `attention_with_lse` elsewhere (`_flash_with_lse` dispatches).
+(``grouped_query_attention``). Prefill segments are two GEMMs around the CPU kernel's softmax
+(``gemm_attention``, causal visibility as counts per query row) on a CPU where the extension
+builds; torch's flash kernel on other CPUs and the float32 `attention_with_lse` elsewhere
+(`_flash_with_lse` dispatches), with the segment's mask.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
 from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel
+from kernels.softmax_lse_cpu import SoftmaxLse, softmax_lse_kernel
 
 if TYPE_CHECKING:
     from shared.engine.kv.layer_fence import LayerFence
@@ -138,14 +141,35 @@ def _prefill_attention(
     seg: PrefillSegment,
     scale: float,
 ) -> torch.Tensor:  # [n, heads, head_dim]
-    """A segment's new tokens over its whole context, one flash call for all heads."""
+    """A segment's new tokens over its whole context, all heads at once: each KV head's group
+    of query heads folded into the query rows (``seg.visible``'s order)."""
     n, heads, dim = q.shape
     kvh = k_cache.shape[2]
-    k = _gather(k_cache, seg.block_table)[: seg.context_len].transpose(0, 1)[None]  # [1, kvh, L, D]
-    v = _gather(v_cache, seg.block_table)[: seg.context_len].transpose(0, 1)[None]
-    qg = q.view(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3).reshape(1, kvh, -1, dim)  # rows (j, t)
-    o, _ = _flash_with_lse(qg, k, v, attn_mask=seg.mask, scale=scale)
+    k = _gather(k_cache, seg.block_table)[: seg.context_len].transpose(0, 1)  # [kvh, L, D]
+    v = _gather(v_cache, seg.block_table)[: seg.context_len].transpose(0, 1)
+    qg = q.view(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3).reshape(kvh, -1, dim)  # rows (j, t)
+    softmax_lse = softmax_lse_kernel() if q.is_cpu else None
+    if softmax_lse is not None:
+        o, _ = gemm_attention(qg, k.contiguous(), v.contiguous(), seg.visible, scale, softmax_lse)
+    else:
+        o, _ = _flash_with_lse(qg[None], k[None], v[None], attn_mask=seg.mask, scale=scale)
     return o.view(kvh, heads // kvh, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+def gemm_attention(
+    q: torch.Tensor,  # [B, M, D]
+    k: torch.Tensor,  # [B, L, D]
+    v: torch.Tensor,  # [B, L, D]
+    visible: torch.Tensor,  # [M] int64 in [1, L]: query row m sees keys [0, visible[m])
+    scale: float,
+    softmax_lse: SoftmaxLse,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, M, D] in q's dtype, lse [B, M] float32
+    """Attention as two GEMMs in the model's dtype (float32 accumulation, as HF eager computes
+    it) around the CPU kernel's one-pass softmax: the GEMMs run at the CPU's matmul speed, where a
+    flash kernel's many small blocks and a mask tensor cost several times more on these shapes."""
+    scores = torch.bmm(q, k.transpose(1, 2))  # [B, M, L]
+    lse = softmax_lse(scores, visible, scale)  # scores are probabilities now
+    return torch.bmm(scores, v), lse
 
 
 def _decode_attention(

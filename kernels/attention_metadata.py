@@ -1,10 +1,11 @@
 """Per-step attention metadata, built once from plain ints and shared by every layer:
 where new K/V go, which blocks each decode row reads on its own, which shared block segments
-are read once for several rows (see ``kernels.attention``), and each prefill segment's mask.
+are read once for several rows (see ``kernels.attention``), and each prefill segment's causal visibility.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -13,19 +14,34 @@ import torch
 
 @dataclass(frozen=True)
 class PrefillSegment:
-    """New tokens of one sequence that attend causally to its cached context and to each other."""
+    """New tokens of one sequence that attend causally to its cached context and to each other.
+
+    GQA folds each KV head's group of query heads into the query length: query row
+    ``j * num_new + t`` is group member ``j`` at new token ``t`` (position ``num_cached + t``).
+    """
 
     start: int  # first row of the segment in the flat token batch
     num_new: int  # tokens computed this step
+    num_cached: int  # context before them, already in the pool
     block_table: torch.Tensor  # [num_blocks_for_context] int64
-    # Causal mask with the cached context in front, float 0 / -inf, one row per (query-group
-    # member j, new token t) at row j * num_new + t: GQA folds each KV head's group of query
-    # heads into the query length.
-    mask: torch.Tensor  # [query_group * num_new, context_len]
+    query_group: int  # query heads per KV head
 
     @property
     def context_len(self) -> int:
-        return self.mask.shape[1]
+        return self.num_cached + self.num_new
+
+    @functools.cached_property
+    def visible(self) -> torch.Tensor:  # [query_group * num_new] int64: keys each query row sees
+        """The causal mask as counts: row ``j * num_new + t`` sees keys ``[0, num_cached + t]``."""
+        counts = torch.arange(self.num_cached + 1, self.context_len + 1, device=self.block_table.device)
+        return counts.repeat(self.query_group)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:  # [query_group * num_new, context_len] float: 0 visible, -inf hidden
+        """``visible`` as an additive mask, for kernels that take one."""
+        keys = torch.arange(self.context_len, device=self.block_table.device)
+        return torch.zeros(len(self.visible), self.context_len, device=self.block_table.device).masked_fill_(
+            keys[None, :] >= self.visible[:, None], float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -232,14 +248,6 @@ def _prefill_segments(
     prefills: list[tuple[list[int], int, int]], start: int, query_group: int, device: torch.device | str
 ) -> Iterator[PrefillSegment]:
     for table, num_cached, num_new in prefills:
-        context_len = num_cached + num_new
-        query_pos = torch.arange(num_cached, context_len)
-        hidden = torch.arange(context_len)[None, :] > query_pos[:, None]
-        mask = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf")).repeat(query_group, 1)
-        yield PrefillSegment(
-            start=start,
-            num_new=num_new,
-            block_table=torch.tensor(table, dtype=torch.int64, device=device),
-            mask=mask.to(device),
-        )
+        yield PrefillSegment(start=start, num_new=num_new, num_cached=num_cached,
+                             block_table=torch.tensor(table, dtype=torch.int64, device=device), query_group=query_group)
         start += num_new

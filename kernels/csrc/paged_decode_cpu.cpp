@@ -14,10 +14,10 @@
 // running (max, sum, accumulator) per block, flash-decoding style. Rows that share a prefix
 // read the same blocks; run next to each other (row_order), they find them in cache.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_kernels.h"
+#include "cpu_math.h"
 
-#include <immintrin.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -31,32 +31,8 @@
 
 namespace {
 
-// Element loads as float: bf16 is the high half of a float32 (a shift the compiler vectorizes).
-inline float load(const float* p, int64_t j) { return p[j]; }
-inline float load(const at::Half* p, int64_t j) { return static_cast<float>(p[j]); }
-inline float load(const at::BFloat16* p, int64_t j) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// exp(x) for x <= 0 (scores minus their running max), in a form the compiler vectorizes (libm's
-// expf is a scalar call per score): 2^(x log2 e) as 2^floor times a degree-6 polynomial for the
-// fraction; relative error about 2e-7. Below -87 it returns about 1e-38, not 0: a weight that
-// small vanishes in the float32 sums anyway.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504f;
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
-                  f * (0.00133335581f + f * 0.000154035304f)))));
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
+using fleetserve::exp_nonpositive;
+using fleetserve::load;
 
 // Blocks lie anywhere in the pool: a task fetches its next block's rows while it computes.
 template <typename T, int64_t DIM>
@@ -187,17 +163,6 @@ inline void transpose16x16(__m512i r[16]) {
     r[8 + j] = _mm512_shuffle_i32x4(x1, x3, 0x88);
     r[12 + j] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
   }
-}
-
-// exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial, the power of two applied by scalef.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
-  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(0.000154035304f);
-  for (float c : {0.00133335581f, 0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, whole);
 }
 
 template <int64_t DIM>
@@ -396,10 +361,4 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
     default: TORCH_CHECK(false, "paged_decode: dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
   }
   return {out, lse};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
 }

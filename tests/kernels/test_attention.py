@@ -38,6 +38,7 @@ def test_paged_attention_equals_dense(seed, num_decodes, num_prefills):
 def test_paged_attention_through_the_non_cpu_kernel_equals_dense(monkeypatch):
     """What a CUDA device runs (`attention_with_lse` in every call), here on the CPU."""
     monkeypatch.setattr(attention, "_flash_with_lse", attention_with_lse)
+    monkeypatch.setattr(attention, "softmax_lse_kernel", lambda: None)
     for seed in range(6):
         assert_paged_equals_dense(seed, num_decodes=5, num_prefills=2)
 
@@ -167,5 +168,6 @@ def test_metadata_tensors_live_on_the_given_device():
     tensors = [meta.slot_mapping, meta.decode_gather_buffer]
     tensors += [getattr(part, f.name) for part in meta.decode_batches + meta.prefills
                 for f in dataclasses.fields(part) if isinstance(getattr(part, f.name), torch.Tensor)]
-    assert len(tensors) == 2 + 4 * len(meta.decode_batches) + 2 * len(meta.prefills)
+    tensors += [t for seg in meta.prefills for t in (seg.visible, seg.mask)]
+    assert len(tensors) == 2 + 4 * len(meta.decode_batches) + 3 * len(meta.prefills)
     assert all(t.is_meta for t in tensors)

@@ -1,0 +1,51 @@
+"""The CPU kernels (``csrc/*.cpp``), one C++ extension module: paged decode attention
+(``kernels.paged_decode_cpu``) and the softmax with log-sum-exp of the GEMM attention
+(``kernels.softmax_lse_cpu``).
+
+Built on first use by torch's extension tooling (g++ and ninja, ``-O3 -march=native``) into
+torch's extension cache, rebuilt when a source or the flags change; ``python -m
+kernels.cpu_extension`` builds it ahead (``make`` does, so no request waits on a compiler).
+Where it cannot be built, ``cpu_kernels()`` returns None (the reason logged once) and every
+caller takes its plain-torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode_cpu.cpp", "softmax_lse_cpu.cpp", "bindings.cpp")
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module, or None where it cannot be built here (logged once)."""
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name="fleetserve_cpu_kernels",
+            sources=[str(CSRC / name) for name in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch paths still work
+        log.warning("CPU kernels unavailable, using the plain-torch paths: %s", e)
+        return None
+    log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+    return module
+
+
+if __name__ == "__main__":
+    began = time.perf_counter()
+    module = cpu_kernels()
+    print(f"CPU kernels: {'ready' if module else 'UNAVAILABLE'} ({time.perf_counter() - began:.1f} s)")
+    raise SystemExit(0 if module else 1)

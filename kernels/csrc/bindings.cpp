@@ -1,0 +1,10 @@
+// Python bindings of the CPU kernels: one extension module, built once (kernels/cpu_extension.py).
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
+  m.def("softmax_lse_", &softmax_lse_, "in-place softmax of scaled scores over visible keys, returning the lse (CPU)",
+        py::arg("scores"), py::arg("visible"), py::arg("scale"));
+}
