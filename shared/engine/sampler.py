@@ -1,7 +1,10 @@
 """Choose the next token of every sampled row: greedy, or temperature with top-k / top-p.
 
-Greedy rows are one batched argmax. A sampled row with a ``seed`` draws from its own
-``torch.Generator``, so its tokens do not depend on what else shares the batch.
+Greedy rows are one batched argmax. Sampled rows are filtered and normalized together (a few
+ops over all of them, not a dozen per row: an OpenAI client's default temperature of 1 makes
+every row of a busy server a sampled one); unseeded rows then draw in one call from the shared
+generator. A row with a ``seed`` draws from its own ``torch.Generator``, so its tokens do not
+depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -23,10 +26,18 @@ class Sampler:
         params: list[SamplingParams],
     ) -> list[tuple[int, float]]:
         """(token, logprob of that token) per row; the logprob is computed only when asked for."""
-        tokens = logits.argmax(dim=-1)  # [N]; overwritten below for sampled rows
-        for row, (rid, sp) in enumerate(zip(request_ids, params, strict=True)):
-            if not sp.greedy:
-                tokens[row] = self._draw(logits[row], sp, self._generator(rid, sp))
+        sampled = [row for row, sp in enumerate(params) if not sp.greedy]
+        if not sampled:
+            tokens = logits.argmax(dim=-1)  # [N]
+        else:
+            tokens = torch.empty(len(params), dtype=torch.int64)
+            greedy = torch.tensor([row for row, sp in enumerate(params) if sp.greedy], dtype=torch.int64)
+            if len(greedy):
+                tokens[greedy] = logits.index_select(0, greedy).argmax(dim=-1)
+            rows = torch.tensor(sampled)
+            probs = _filtered_probs(logits.index_select(0, rows), [params[r] for r in sampled])
+            tokens[rows] = _inverse_cdf_draw(probs, self._uniforms([request_ids[r] for r in sampled],
+                                                                   [params[r] for r in sampled]))
         want = [row for row, sp in enumerate(params) if sp.logprobs]
         logprobs = torch.zeros(len(params))
         if want:
@@ -39,6 +50,15 @@ class Sampler:
         """Drop a finished request's generator."""
         self._generators.pop(request_id, None)
 
+    def _uniforms(self, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:  # [rows] in [0, 1)
+        """One uniform per sampled row: unseeded rows' from the shared generator in one call,
+        a seeded row's from its own (its draws then depend on nothing else in the batch)."""
+        u = torch.rand(len(params), generator=self._shared)
+        for i, (rid, sp) in enumerate(zip(request_ids, params, strict=True)):
+            if sp.seed is not None:
+                u[i] = torch.rand(1, generator=self._generator(rid, sp))
+        return u
+
     def _generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
         if sp.seed is None:
             return self._shared
@@ -46,16 +66,43 @@ class Sampler:
             self._generators[request_id] = torch.Generator().manual_seed(sp.seed)
         return self._generators[request_id]
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
-        """One token from ``logits`` ([vocab]) under temperature, top-k and top-p."""
-        scores = logits / sp.temperature
-        if sp.top_k:
-            kth = torch.topk(scores, min(sp.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            sorted_scores, order = scores.sort(descending=True)
-            cum = sorted_scores.softmax(-1).cumsum(-1)
-            drop = cum - sorted_scores.softmax(-1) >= sp.top_p  # keep the smallest set reaching p
-            scores = scores.scatter(0, order[drop], float("-inf"))
-        return int(torch.multinomial(scores.softmax(-1), 1, generator=gen))
+
+TOP_P_CANDIDATES = 1024  # top-p sorts only this many most likely tokens when they reach p
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [rows] int64
+    """Each row's token: the first whose cumulative probability exceeds ``u`` of the row's total
+    (``torch.multinomial`` costs several times more on a CPU: it draws per token). A token of
+    probability 0 is never chosen: its cumulative sum equals its predecessor's."""
+    cdf = probs.cumsum(-1)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # NOTE: u * total can round up to the total: then the last token with probability is meant
+    impossible = probs.gather(1, picks[:, None]).squeeze(1) == 0
+    if bool(impossible.any()):
+        last_live = probs.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        picks = torch.where(impossible, last_live, picks)
+    return picks
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] probabilities of each row under its temperature, top-k and top-p."""
+    temperatures = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype)
+    scores = logits / temperatures[:, None]
+    top_k = torch.tensor([sp.top_k or scores.shape[1] for sp in params])
+    if bool((top_k < scores.shape[1]).any()):  # each row's k-th largest score is its floor
+        top_k = top_k.clamp(max=scores.shape[1])
+        largest = torch.topk(scores, int(top_k.max()), dim=-1).values
+        scores = scores.masked_fill(scores < largest.gather(1, (top_k - 1)[:, None]), float("-inf"))
+    top_p = torch.tensor([sp.top_p for sp in params], dtype=logits.dtype)
+    if bool((top_p < 1.0).any()):  # keep the smallest set of most likely tokens reaching p
+        probs = scores.softmax(-1)
+        # NOTE: the set lies within the TOP_P_CANDIDATES most likely tokens whenever they reach p
+        # (nearly always): sorting those is far cheaper than sorting the vocabulary
+        top_probs, order = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1)
+        if not bool((top_probs.sum(-1) >= top_p).all()):
+            top_probs, order = probs.sort(dim=-1, descending=True)
+        drop = (top_probs.cumsum(-1) - top_probs >= top_p[:, None]) | (top_probs == 0)
+        kept = torch.full_like(scores, float("-inf")).scatter_(
+            1, order, scores.gather(1, order).masked_fill_(drop, float("-inf")))
+        scores = torch.where((top_p < 1.0)[:, None], kept, scores)
+    return scores.softmax(-1)
