@@ -11,7 +11,7 @@ import torch
 
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.sampler import Sampler
+from shared.engine.sampler import TOP_P_CANDIDATES, Sampler
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.tiny import tiny_model
 
@@ -73,6 +73,16 @@ def test_top_k_keeps_the_k_most_likely():
 def test_top_k_and_top_p_together_keep_the_intersection():
     counts = draw_many(SamplingParams(temperature=1.0, top_k=3, top_p=0.6, seed=3))
     assert set(counts) == {0, 1}
+
+
+def test_top_p_beyond_the_sorted_candidates_still_keeps_exactly_the_set_reaching_p():
+    """A flat distribution over 3,000 tokens: top-p 0.5 needs 1,500 of them, more than the
+    candidates top-p sorts first, so the whole vocabulary is sorted."""
+    assert TOP_P_CANDIDATES < 1500
+    sampler, sp = Sampler(), SamplingParams(temperature=1.0, top_p=0.5, seed=9)
+    logits = torch.zeros(8, 3000)
+    drawn = {t for _ in range(500) for t in tokens(sampler.sample(logits, ["r"] * 8, [sp] * 8))}
+    assert TOP_P_CANDIDATES < len(drawn) <= 1500
 
 
 def test_unfiltered_temperature_one_draws_the_model_distribution():
