@@ -33,6 +33,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--dtype", choices=list(DTYPE_NAMES),
                    help="auto (default): bfloat16 on CUDA or a CPU with AVX-512 BF16/AMX, else float32")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the layers' dense halves through torch.compile at start-up (default: the "
+                        "config's [engine] compile, else off)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--max-num-seqs", type=int)
@@ -50,13 +53,15 @@ def _engine_config(args, offline: bool = False) -> EngineConfig:
     from shared.engine.scheduler import SchedulerConfig
 
     base = load_engine_config(args.config) if args.config else EngineConfig(
-        num_blocks=8192, scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
+        num_blocks=8192,
+        scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
     if args.config:
         from shared.config import load_section
         from shared.engine.kv.hicache_config import HiCacheConfig
 
         base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
-    engine = {"dtype": args.dtype, "block_size": args.block_size, "num_blocks": args.num_blocks}
+    engine = {"dtype": args.dtype, "compile": args.compile, "block_size": args.block_size,
+              "num_blocks": args.num_blocks}
     scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
     return dataclasses.replace(
         base,
@@ -151,7 +156,9 @@ def cmd_serve(args) -> int:
     host, port = http.server_address[:2]
     dtype = engine_config.dtype_choice
     print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy} "
-          f"dtype={dtype.name} ({dtype.reason})", flush=True)
+          f"dtype={dtype.name} ({dtype.reason}) "
+          + (f"compiled in {engine.compile_seconds:.1f} s" if engine.compile_seconds is not None else "eager"),
+          flush=True)
     try:
         server.serve_forever()
     finally:

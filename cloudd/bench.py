@@ -137,6 +137,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                     engine.close()
                 runs[name] = run_report(str(opts.trace), timings, wall, stats.prefix_hit_rate)
                 runs[name]["dtype"] = stats.dtype
+                runs[name]["compiled"] = stats.compiled
                 runs[name]["preemptions"] = stats.preemptions
                 runs[name]["kv_blocks"] = stats.blocks_total
                 if working_set:

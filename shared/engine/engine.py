@@ -94,6 +94,7 @@ class EngineStats:
     tier_loading: int = 0  # requests waiting for their prefix to load from the KV tiers
     tiers: TierStats | None = None  # HiCache counters, when the tiers are on
     dtype: str = "float32"  # what the model, activations and KV compute in
+    compiled: bool = False  # the layers' dense halves run compiled (EngineConfig.compile)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -124,6 +125,8 @@ class Engine:
             (config.num_blocks - 1) * config.block_size,
         )
         self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size)
+        # NOTE: compiled here, at start-up, so that no request waits on the compiler
+        self.compile_seconds = model.compile_layers() if config.compile else None
         self.tiers = _make_tiers(config, self.pool, self.runner, lambda n: self.scheduler.rate.seconds_for(
             n, self.scheduler.config.max_num_batched_tokens))
         self.scheduler = Scheduler(
@@ -434,6 +437,7 @@ class Engine:
             tier_loading=len(s.loading),
             tiers=dataclasses.replace(self.tiers.snapshot()) if self.tiers is not None else None,
             dtype=str(self.runner.dtype).removeprefix("torch."),
+            compiled=self.compile_seconds is not None,
         )
 
     # --- internals -------------------------------------------------------------------------
