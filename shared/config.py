@@ -37,6 +37,17 @@ def keep_freed_memory_in_process() -> None:
     libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
+def freeze_start_up_heap() -> None:
+    """Exclude everything a daemon built at start-up (model, tokenizer, grammars: millions of
+    objects) from the garbage collector's later full passes: call once it is ready. Without it,
+    the first full collection after start-up scans them all while a request waits (measured in
+    cloudd: a first step of 224 ms where the next take 22)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def model_cache_dir() -> Path:
     """Where downloaded model files live.
 

@@ -288,6 +288,16 @@ class Engine:
             return []
         return [] if out.preempted else self._unblock()
 
+    def warm_up(self) -> float:
+        """Do the first-use work a daemon's first request would otherwise wait for: compile the
+        tokenizer's chat template and run one forward of a full step's tokens (``ModelRunner.
+        warm_up``). Changes no request, cache or counter. Returns the seconds it took."""
+        started = time.perf_counter()
+        if self.tokenizer is not None and self.tokenizer.chat_template:
+            self.tokenizer.encode_chat([{"role": "user", "content": "warm-up"}])
+        self.runner.warm_up(min(self.scheduler.config.max_num_batched_tokens, self.scheduler.config.max_model_len))
+        return time.perf_counter() - started
+
     def enable_profile(self) -> StepProfile:
         """Time every later step's phases and count the model's FLOPs (see ``step_profile``)."""
         self.profile = self.runner.profile = StepProfile()

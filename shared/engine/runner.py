@@ -82,6 +82,27 @@ class ModelRunner:
             profile.computed_tokens += len(input_ids)
         return logits
 
+    def warm_up(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` dummy prompt tokens, so the first request does not pay
+        for first-use work (the allocator's growth, the GEMM library's kernel setup for these
+        shapes). It reads and writes only the null block, whose K/V is zeroed again after."""
+        bs = self.block_size
+        table = [NULL_BLOCK] * -(-num_tokens // bs)
+        meta = AttentionMetadata.build(
+            decode_block_tables=[], decode_context_lens=[], prefills=[(table, 0, num_tokens)],
+            slot_mapping=[NULL_BLOCK * bs + i % bs for i in range(num_tokens)], block_size=bs,
+            null_block=NULL_BLOCK, workspace=self.workspace,
+            query_group=self.model.config.num_heads // self.model.config.num_kv_heads, device=self.device,
+            in_place=self.decode_in_place,
+        )
+        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(tokens, torch.arange(num_tokens, device=self.device), self.kv_caches,
+                            PagedAttentionStep(meta))
+        self.model.logits(hidden[-1:])
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[NULL_BLOCK].zero_()
+            v_cache[NULL_BLOCK].zero_()
+
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step's flat token ids [T], positions [T], attention metadata and logits rows."""
         row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]

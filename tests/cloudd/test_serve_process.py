@@ -48,6 +48,11 @@ def plan(rid: str, max_tokens: int = 24, **kw) -> Generate:
     return Generate(rid, messages=TASK, sampling=Sampling(max_tokens=max_tokens), **kw)
 
 
+def test_the_ready_line_says_how_the_engine_started(daemon):
+    assert daemon.fields["compile"] == "off"  # the test config leaves [engine] compile off
+    assert float(daemon.fields["warm_up"].removesuffix("s")) > 0  # a full step ran before the first request
+
+
 def test_generate_returns_the_model_s_greedy_text(client):
     first = client.generate(plan("gen-1"), timeout_s=120)
     again = client.generate(plan("gen-2"), timeout_s=120)

@@ -299,3 +299,16 @@ def test_unbuffered_requests_leave_nothing_behind_when_driven_by_step():
     assert not e._pending and not e._live and not e._detok
     with pytest.raises(KeyError):
         e.stream(rids[0])  # raises at the call, not at the first next()
+
+
+# --- warm-up -------------------------------------------------------------------------------------
+
+
+def test_warm_up_changes_no_request_cache_counter_or_kv():
+    e = engine(max_num_batched_tokens=37)
+    before = e.stats()
+    assert e.warm_up() > 0
+    assert e.stats() == before and e.index.num_cached_tokens == 0 and e.pool.num_used == 0
+    assert all(not cache[0].any() for layer in e.runner.kv_caches for cache in layer)  # the null block is zeros
+    warmed = e.generate([PROMPT, OTHER], greedy(6))
+    assert [r.output_token_ids for r in warmed] == [greedy_reference(MODEL, p, 6) for p in (PROMPT, OTHER)]
