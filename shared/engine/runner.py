@@ -48,8 +48,9 @@ class ModelRunner:
         self._flops = _FlopCounter(model)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step. Returns logits [rows, vocab] float32 on the CPU: ``chunk.num_logits``
-        rows per chunk (its last positions), in ``out.chunks`` order.
+        """Run one step. Returns logits [rows, vocab] in the model's dtype on the CPU:
+        ``chunk.num_logits`` rows per chunk (its last positions), in ``out.chunks`` order (the
+        sampler widens only the rows it samples from: a greedy row's argmax needs no copy).
 
         The logits come back to the CPU (a no-op there): sampling and grammar masks run on the
         CPU whatever the device, so the sampler's per-request ``torch.Generator``s (CPU ones)
@@ -75,7 +76,7 @@ class ModelRunner:
                                 step if profile is None else TimedAttentionStep(step, profile))
         with maybe_phase(profile, "logits"):
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.logits(hidden.index_select(0, rows)).cpu()
+            logits = self.model.logits(hidden.index_select(0, rows), dtype=None).cpu()
         if profile is not None:  # attention ran inside the model's phase: count it once
             profile.seconds["model"] -= profile.seconds["attention"] - attention_before
             profile.flops += self._flops.step(out, len(sample_rows))

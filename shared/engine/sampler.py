@@ -21,7 +21,7 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # [N, vocab] float32
+        logits: torch.Tensor,  # [N, vocab] float32, or the model's bfloat16 / float16
         request_ids: list[str],
         params: list[SamplingParams],
     ) -> list[tuple[int, float]]:
@@ -35,14 +35,14 @@ class Sampler:
             if len(greedy):
                 tokens[greedy] = logits.index_select(0, greedy).argmax(dim=-1)
             rows = torch.tensor(sampled)
-            probs = _filtered_probs(logits.index_select(0, rows), [params[r] for r in sampled])
+            probs = _filtered_probs(logits.index_select(0, rows).float(), [params[r] for r in sampled])
             tokens[rows] = _inverse_cdf_draw(probs, self._uniforms([request_ids[r] for r in sampled],
                                                                    [params[r] for r in sampled]))
         want = [row for row, sp in enumerate(params) if sp.logprobs]
         logprobs = torch.zeros(len(params))
         if want:
             rows = torch.tensor(want)
-            chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows, None])
+            chosen = torch.log_softmax(logits[rows].float(), dim=-1).gather(1, tokens[rows, None])
             logprobs[rows] = chosen.squeeze(1)
         return list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
 

@@ -55,8 +55,8 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalized in float32, scaled in the model's dtype."""
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+    wide = x.float()
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -280,8 +280,11 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] in ``dtype`` (None: the model's own, saving a copy the size
+        of the logits when the caller converts only some rows)."""
+        scores = self.lm_head(hidden)
+        return scores if dtype is None else scores.to(dtype)
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Raises KeyError naming a missing one."""

@@ -201,3 +201,12 @@ def test_a_bare_string_stop_is_one_stop_string_or_rejected():
         assert "stop" in str(e)
     else:
         assert sp.stop == ("\n\n",)
+
+
+def test_bf16_logits_sample_as_their_float32_values_do():
+    """The engine hands the sampler the model's bf16 logits: every row reads as its float32 copy."""
+    logits = random_logits(6, seed=11).bfloat16()
+    params = [GREEDY, SamplingParams(temperature=0.8, top_k=5, seed=1), SamplingParams(temperature=1.0, top_p=0.9,
+              seed=2, logprobs=True)] * 2
+    ids = list("abcdef")
+    assert Sampler().sample(logits, ids, params) == Sampler().sample(logits.float(), ids, params)
