@@ -137,9 +137,11 @@ struct DecodeTask {
 //           transposed keys;
 //   softmax the 16 scores of a head as one vector: max, exp (a polynomial on 2^fraction,
 //           scaled by 2^whole), sum;
-//   p . v   each value row is widened to float32 once and added, weighted, into the
-//           accumulators of up to kHeadsPerPass heads held in registers.
-// Products are exact bf16 x bf16 sums in float32 accumulators, as in the generic task.
+//   p . v   two keys per bf16 dot-product instruction: each head's probabilities rounded to
+//           bf16 pairs, the two value rows interleaved, into the accumulators of up to
+//           kHeadsPerPass heads held in registers.
+// q . k products are exact bf16 x bf16 sums in float32; p . v rounds the probabilities to bf16
+// first, as HF's eager attention in bf16 does (its softmax output is cast to bf16 for the matmul).
 
 // In-register transpose of 16 rows of 16 dwords: on return r[c] holds dword c of every row.
 inline void transpose16x16(__m512i r[16]) {
@@ -247,35 +249,56 @@ struct Bf16DecodeTask {
     }
   }
 
-  // acc[g] = acc[g] * correction[g] + sum_t probs[g][t] v_t for heads g0 .. g0 + HEADS - 1.
+  // acc[g] = acc[g] * correction[g] + sum_t probs[g][t] v_t for heads g0 .. g0 + HEADS - 1,
+  // two keys per instruction: a head's probabilities as bf16 pairs (t, t+1), the two value rows
+  // interleaved into pairs of the same dimension. The interleave works within 128-bit lanes, so
+  // the accumulators hold dimensions in permuted_dim order; write() puts them back.
   template <int64_t HEADS>
   void accumulate(int64_t g0, const at::BFloat16* __restrict__ v_rows, int64_t stride, int64_t count) {
     __m512 a[HEADS][kVecs];
+    alignas(32) uint32_t pairs[HEADS][kTile / 2];
     for (int64_t g = 0; g < HEADS; ++g) {
       const __m512 corr = _mm512_set1_ps(correction[g0 + g]);
       for (int64_t j = 0; j < kVecs; ++j) a[g][j] = _mm512_mul_ps(_mm512_load_ps(acc + (g0 + g) * DIM + j * 16), corr);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[g]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs + (g0 + g) * kTile)));
     }
-    for (int64_t t = 0; t < count; ++t) {
-      __m512 v[kVecs];
-      for (int64_t j = 0; j < kVecs; ++j)
-        v[j] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + t * stride + j * 16)));
-      for (int64_t g = 0; g < HEADS; ++g) {
-        const __m512 p = _mm512_set1_ps(probs[(g0 + g) * kTile + t]);
-        for (int64_t j = 0; j < kVecs; ++j) a[g][j] = _mm512_fmadd_ps(p, v[j], a[g][j]);
+    for (int64_t t = 0; t < count; t += 2) {
+      const at::BFloat16* first = v_rows + t * stride;
+      const at::BFloat16* second = first + stride;
+      __m512i p[HEADS];
+      for (int64_t g = 0; g < HEADS; ++g) p[g] = _mm512_set1_epi32(static_cast<int>(pairs[g][t / 2]));
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const __m512i x = _mm512_loadu_si512(first + c * 32);
+        const __m512i y = t + 1 < count ? _mm512_loadu_si512(second + c * 32) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+        for (int64_t g = 0; g < HEADS; ++g) {
+          a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)lo, (__m512bh)p[g]);
+          a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)hi, (__m512bh)p[g]);
+        }
       }
     }
     for (int64_t g = 0; g < HEADS; ++g)
       for (int64_t j = 0; j < kVecs; ++j) _mm512_store_ps(acc + (g0 + g) * DIM + j * 16, a[g][j]);
   }
 
+  // The dimension accumulator lane j holds: lane k of the low (even j / 16) or high vector of
+  // 32-dimension chunk c covers dimensions 8 * (k / 4) + k % 4, plus 4 in the high vector.
+  static constexpr int64_t permuted_dim(int64_t j) {
+    const int64_t c = j / 32, high = (j / 16) % 2, k = j % 16;
+    return c * 32 + 8 * (k / 4) + 4 * high + k % 4;
+  }
+
   void write(at::BFloat16* __restrict__ out_row, float* lse_row) const {
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.f / run_sum[g];
-      for (int64_t j = 0; j < DIM; ++j) out_row[g * DIM + j] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
+      for (int64_t j = 0; j < DIM; ++j)
+        out_row[g * DIM + permuted_dim(j)] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
       if (lse_row != nullptr) lse_row[g] = run_max[g] + std::log(run_sum[g]);
     }
   }
 };
+
 #endif  // __AVX512BF16__
 
 // The task a (dtype, head_dim) runs: the bf16 one where the CPU has the instructions.
