@@ -210,3 +210,9 @@ def test_bf16_logits_sample_as_their_float32_values_do():
               seed=2, logprobs=True)] * 2
     ids = list("abcdef")
     assert Sampler().sample(logits, ids, params) == Sampler().sample(logits.float(), ids, params)
+
+
+def test_greedy_takes_the_first_of_tied_maxima_in_any_dtype():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0]])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert tokens(Sampler().sample(logits.to(dtype), ["a", "b"], [GREEDY] * 2)) == [1, 0]
