@@ -9,10 +9,12 @@
 //   lse          [rows, heads] float32: log-sum-exp of each head's scaled scores (to merge
 //                with other partial results); returned when asked
 //
-// One task per (row, kv head): its g = heads / kv_heads query heads share every K/V row read.
-// Keys are taken one block at a time: scores for the block's tokens, then one rescale of the
-// running (max, sum, accumulator) per block, flash-decoding style. Rows that share a prefix
-// read the same blocks; run next to each other (row_order), they find them in cache.
+// One task per (rows, kv head): the g = heads / kv_heads query heads of each of its rows share
+// every K/V row read. Neighbouring rows (in row_order) whose tables start with the same blocks
+// (robots of one type share a system prompt) form one task of up to 16 heads: the shared blocks
+// are read once for all their heads, then each row's own blocks for its g heads. Keys are taken
+// one block at a time: scores for the block's tokens, then one rescale of the running (max, sum,
+// accumulator) per block, flash-decoding style.
 
 #include "cpu_kernels.h"
 #include "cpu_math.h"
@@ -42,43 +44,37 @@ inline void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
     for (int64_t j = 0; j < DIM; j += kLineElements) __builtin_prefetch(rows + t * stride + j);
 }
 
-// One (row, kv head) task: its `group` query heads over the row's context, block by block.
-// DIM is the head dimension as a compile-time constant so every inner loop vectorizes whole.
+// A task's heads: up to kMaxHeads query heads of one KV head, from one or several rows. Both
+// task types take them the same way: begin() with each head's query, block() for a block's keys
+// over a contiguous range of those heads (a shared prefix: all of them; a row's own blocks:
+// its group), write() each head's result.
+constexpr int64_t kMaxHeads = 16;
+
+// The portable task: any dtype and head dim, loops the compiler vectorizes. DIM is the head
+// dimension as a compile-time constant so every inner loop vectorizes whole.
 template <typename T, int64_t DIM>
 struct DecodeTask {
   // Partial sums per dot product: an AVX-512 register's 16 floats where DIM allows.
   static constexpr int64_t kLanes = DIM % 16 == 0 ? 16 : 8;
   static_assert(DIM % kLanes == 0, "head_dim must be a multiple of 8");
-  int64_t group, block_size, kv_heads;
-  float qf[16 * DIM];      // scaled queries, group <= 16
-  float acc[16 * DIM];     // running weighted sums of V
-  float scores[16 * 64];   // [group][block_size]
-  float run_max[16], run_sum[16];
+  float qf[kMaxHeads * DIM];      // scaled queries
+  float acc[kMaxHeads * DIM];     // running weighted sums of V
+  float scores[kMaxHeads * 64];   // [head][key of the block], block_size <= 64
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
 
-  void run(const T* __restrict__ q_row, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-           const int64_t* __restrict__ table, int64_t n, int64_t h, float scale) {
-    for (int64_t i = 0; i < group * DIM; ++i) qf[i] = load(q_row, i) * scale;
-    std::fill(acc, acc + group * DIM, 0.f);
-    std::fill(run_max, run_max + group, -std::numeric_limits<float>::infinity());
-    std::fill(run_sum, run_sum + group, 0.f);
-    const int64_t token_stride = kv_heads * DIM;
-    for (int64_t first = 0; first < n; first += block_size) {
-      const int64_t count = std::min(block_size, n - first);
-      const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
-      if (first + block_size < n) {  // blocks lie anywhere in the pool: fetch the next one's rows now
-        const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
-        prefetch_rows<T, DIM>(k_cache + next, token_stride, std::min(block_size, n - first - block_size));
-        prefetch_rows<T, DIM>(v_cache + next, token_stride, std::min(block_size, n - first - block_size));
-      }
-      block_scores(k_cache + base, token_stride, count);
-      accumulate(v_cache + base, token_stride, count);
-    }
+  void begin(const T* const* queries, int64_t heads, float scale) {
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t j = 0; j < DIM; ++j) qf[g * DIM + j] = load(queries[g], j) * scale;
+    std::fill(acc, acc + heads * DIM, 0.f);
+    std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
+    std::fill(run_sum, run_sum + heads, 0.f);
   }
 
-  // scores = q . k for the block's tokens, then the online-softmax rescale of each head's state
-  void block_scores(const T* __restrict__ k_block, int64_t stride, int64_t count) {
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * block_size;
+  // Heads [h0, h1) over one block's first `count` keys: scores, online-softmax update, p . v.
+  void block(const T* __restrict__ k_block, const T* __restrict__ v_block, int64_t stride, int64_t count, int64_t h0,
+             int64_t h1) {
+    for (int64_t g = h0; g < h1; ++g) {
+      float* sg = scores + g * 64;
       for (int64_t t = 0; t < count; ++t) sg[t] = dot(g, k_block + t * stride);
       const float new_max = std::max(run_max[g], *std::max_element(sg, sg + count));
       const float correction = std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
@@ -90,9 +86,14 @@ struct DecodeTask {
       }
       run_sum[g] = sum;
       run_max[g] = new_max;
-      float* ag = acc + g * DIM;
-#pragma omp simd
-      for (int64_t j = 0; j < DIM; ++j) ag[j] *= correction;
+      float a[DIM];  // a local copy the compiler keeps in registers across the block's keys
+      for (int64_t j = 0; j < DIM; ++j) a[j] = acc[g * DIM + j] * correction;
+      for (int64_t t = 0; t < count; ++t) {
+        const float p = sg[t];
+        const T* vt = v_block + t * stride;
+        for (int64_t j = 0; j < DIM; ++j) a[j] += p * load(vt, j);
+      }
+      std::memcpy(acc + g * DIM, a, sizeof a);
     }
   }
 
@@ -106,26 +107,10 @@ struct DecodeTask {
     return s;
   }
 
-  void accumulate(const T* __restrict__ v_block, int64_t stride, int64_t count) {  // acc += p . v
-    for (int64_t g = 0; g < group; ++g) {
-      const float* sg = scores + g * block_size;
-      float a[DIM];  // a local copy the compiler keeps in registers across the block's tokens
-      std::memcpy(a, acc + g * DIM, sizeof a);
-      for (int64_t t = 0; t < count; ++t) {
-        const float p = sg[t];
-        const T* vt = v_block + t * stride;
-        for (int64_t j = 0; j < DIM; ++j) a[j] += p * load(vt, j);
-      }
-      std::memcpy(acc + g * DIM, a, sizeof a);
-    }
-  }
-
-  void write(T* __restrict__ out_row, float* lse_row) const {
-    for (int64_t g = 0; g < group; ++g) {
-      const float inv = 1.f / run_sum[g];
-      for (int64_t j = 0; j < DIM; ++j) out_row[g * DIM + j] = static_cast<T>(acc[g * DIM + j] * inv);
-      if (lse_row != nullptr) lse_row[g] = run_max[g] + std::log(run_sum[g]);
-    }
+  void write(int64_t g, T* __restrict__ out, float* lse) const {
+    const float inv = 1.f / run_sum[g];
+    for (int64_t j = 0; j < DIM; ++j) out[j] = static_cast<T>(acc[g * DIM + j] * inv);
+    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum[g]);
   }
 };
 
@@ -174,45 +159,38 @@ struct Bf16DecodeTask {
   static constexpr int64_t kVecs = DIM / 16;         // float32 vectors per value row
   static constexpr int64_t kHeadsPerPass = DIM <= 32 ? 8 : DIM <= 64 ? 4 : 2;  // accumulators in registers
   static constexpr int64_t kTile = 16;
-  int64_t group, block_size, kv_heads;
-  const uint32_t* q_pairs = nullptr;  // the group's queries, read in place as bf16 pairs
+  const uint32_t* q_pairs[kMaxHeads];  // each head's query, read in place as bf16 pairs
   float scale_ = 1.f;
-  alignas(64) float acc[16 * DIM];      // running weighted sums of V, per head
-  alignas(64) float probs[16 * kTile];  // the tile's exp(score - max), per head
-  float correction[16];
-  float run_max[16], run_sum[16];
+  alignas(64) float acc[kMaxHeads * DIM];      // running weighted sums of V, per head
+  alignas(64) float probs[kMaxHeads * kTile];  // the tile's exp(score - max), per head
+  float correction[kMaxHeads];
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
 
-  void run(const at::BFloat16* __restrict__ q_row, const at::BFloat16* __restrict__ k_cache,
-           const at::BFloat16* __restrict__ v_cache, const int64_t* __restrict__ table, int64_t n, int64_t h,
-           float scale) {
-    q_pairs = reinterpret_cast<const uint32_t*>(q_row);
+  void begin(const at::BFloat16* const* queries, int64_t heads, float scale) {
+    for (int64_t g = 0; g < heads; ++g) q_pairs[g] = reinterpret_cast<const uint32_t*>(queries[g]);
     scale_ = scale;
-    std::fill(acc, acc + group * DIM, 0.f);
-    std::fill(run_max, run_max + group, -std::numeric_limits<float>::infinity());
-    std::fill(run_sum, run_sum + group, 0.f);
-    const int64_t token_stride = kv_heads * DIM;
-    for (int64_t first = 0; first < n; first += block_size) {
-      const int64_t count = std::min(block_size, n - first);
-      const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
-      if (first + block_size < n) {
-        const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
-        prefetch_rows<at::BFloat16, DIM>(k_cache + next, token_stride, std::min(block_size, n - first - block_size));
-        prefetch_rows<at::BFloat16, DIM>(v_cache + next, token_stride, std::min(block_size, n - first - block_size));
-      }
-      for (int64_t t0 = 0; t0 < count; t0 += kTile) {
-        const int64_t tile = std::min(kTile, count - t0);
-        tile_softmax(k_cache + base + t0 * token_stride, token_stride, tile);
-        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-          switch (std::min(kHeadsPerPass, group - g0)) {
-            case 1: accumulate<1>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            case 2: accumulate<2>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            case 3: accumulate<3>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            case 4: accumulate<4>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            case 5: accumulate<5>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            case 6: accumulate<6>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            case 7: accumulate<7>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-            default: accumulate<8>(g0, v_cache + base + t0 * token_stride, token_stride, tile); break;
-          }
+    std::fill(acc, acc + heads * DIM, 0.f);
+    std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
+    std::fill(run_sum, run_sum + heads, 0.f);
+  }
+
+  // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
+  void block(const at::BFloat16* __restrict__ k_block, const at::BFloat16* __restrict__ v_block, int64_t stride,
+             int64_t count, int64_t h0, int64_t h1) {
+    for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+      const int64_t tile = std::min(kTile, count - t0);
+      tile_softmax(k_block + t0 * stride, stride, tile, h0, h1);
+      for (int64_t g0 = h0; g0 < h1; g0 += kHeadsPerPass) {
+        const at::BFloat16* v = v_block + t0 * stride;
+        switch (std::min(kHeadsPerPass, h1 - g0)) {
+          case 1: accumulate<1>(g0, v, stride, tile); break;
+          case 2: accumulate<2>(g0, v, stride, tile); break;
+          case 3: accumulate<3>(g0, v, stride, tile); break;
+          case 4: accumulate<4>(g0, v, stride, tile); break;
+          case 5: accumulate<5>(g0, v, stride, tile); break;
+          case 6: accumulate<6>(g0, v, stride, tile); break;
+          case 7: accumulate<7>(g0, v, stride, tile); break;
+          default: accumulate<8>(g0, v, stride, tile); break;
         }
       }
     }
@@ -220,16 +198,16 @@ struct Bf16DecodeTask {
 
   // Scores of the tile's keys for every head, then each head's online-softmax update: probs
   // for the tile, the correction its accumulator takes before they are added.
-  void tile_softmax(const at::BFloat16* __restrict__ k_rows, int64_t stride, int64_t count) {
-    __m512 scores[16];
-    for (int64_t g = 0; g < group; ++g) scores[g] = _mm512_setzero_ps();
+  void tile_softmax(const at::BFloat16* __restrict__ k_rows, int64_t stride, int64_t count, int64_t h0, int64_t h1) {
+    __m512 scores[kMaxHeads];
+    for (int64_t g = h0; g < h1; ++g) scores[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kChunks; ++c) {
       __m512i keys[16];
       for (int64_t t = 0; t < kTile; ++t)
         keys[t] = t < count ? _mm512_loadu_si512(k_rows + t * stride + c * 32) : _mm512_setzero_si512();
       transpose16x16(keys);  // keys[p]: dimension pair c * 16 + p of every key
-      for (int64_t g = 0; g < group; ++g) {
-        const uint32_t* qg = q_pairs + g * (DIM / 2) + c * 16;
+      for (int64_t g = h0; g < h1; ++g) {
+        const uint32_t* qg = q_pairs[g] + c * 16;
         __m512 s = scores[g];
         for (int64_t p = 0; p < 16; ++p)
           s = _mm512_dpbf16_ps(s, (__m512bh)keys[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[p])));
@@ -237,7 +215,7 @@ struct Bf16DecodeTask {
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = h0; g < h1; ++g) {
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, scores[g],
                                           _mm512_set1_ps(scale_));
       const float new_max = std::max(run_max[g], _mm512_reduce_max_ps(s));
@@ -289,13 +267,10 @@ struct Bf16DecodeTask {
     return c * 32 + 8 * (k / 4) + 4 * high + k % 4;
   }
 
-  void write(at::BFloat16* __restrict__ out_row, float* lse_row) const {
-    for (int64_t g = 0; g < group; ++g) {
-      const float inv = 1.f / run_sum[g];
-      for (int64_t j = 0; j < DIM; ++j)
-        out_row[g * DIM + permuted_dim(j)] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
-      if (lse_row != nullptr) lse_row[g] = run_max[g] + std::log(run_sum[g]);
-    }
+  void write(int64_t g, at::BFloat16* __restrict__ out, float* lse) const {
+    const float inv = 1.f / run_sum[g];
+    for (int64_t j = 0; j < DIM; ++j) out[permuted_dim(j)] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
+    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum[g]);
   }
 };
 
@@ -309,21 +284,86 @@ template <int64_t DIM>
 struct TaskFor<at::BFloat16, DIM, std::enable_if_t<DIM % 32 == 0>> { using type = Bf16DecodeTask<DIM>; };
 #endif
 
+// Rows sharing at least this many leading blocks (a system prompt) run as one task per KV head.
+constexpr int64_t kMinSharedBlocks = 2;
+
+// Consecutive rows of `order` whose block tables start alike: `size` rows from position `begin`,
+// whose first `shared` blocks are the same (0 for a row alone).
+struct RowGroup {
+  int64_t begin, size, shared;
+};
+
+// Rows that share leading blocks go together, up to max_rows (their heads fill one task): a task
+// then reads each shared block once, transposes its keys once, for every head of every row,
+// then each row's own blocks for that row's heads. A shared block must lie wholly before each
+// row's newest token (that block is the row's own).
+std::vector<RowGroup> group_rows(const int64_t* tables, const int64_t* lens, const int64_t* order, int64_t rows,
+                                 int64_t max_blocks, int64_t block_size, int64_t max_rows) {
+  std::vector<RowGroup> groups;
+  for (int64_t i = 0; i < rows;) {
+    const int64_t* first = tables + order[i] * max_blocks;
+    int64_t shared = (lens[order[i]] - 1) / block_size, size = 1;
+    while (i + size < rows && size < max_rows) {
+      const int64_t r = order[i + size];
+      const int64_t* table = tables + r * max_blocks;
+      const int64_t limit = std::min(shared, (lens[r] - 1) / block_size);
+      int64_t common = 0;
+      while (common < limit && table[common] == first[common]) ++common;
+      if (common < kMinSharedBlocks) break;
+      shared = common;
+      ++size;
+    }
+    groups.push_back({i, size, size > 1 ? shared : 0});
+    i += size;
+  }
+  return groups;
+}
+
+// One task's keys over [first_block * block_size, end) of `table`, for heads [h0, h1).
+template <typename Task, typename T, int64_t DIM>
+void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const int64_t* table, int64_t first_block,
+                   int64_t end, int64_t h, int64_t kv_heads, int64_t block_size, int64_t h0, int64_t h1) {
+  const int64_t stride = kv_heads * DIM;
+  for (int64_t first = first_block * block_size; first < end; first += block_size) {
+    const int64_t count = std::min(block_size, end - first);
+    const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
+    if (first + block_size < end) {
+      const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
+      prefetch_rows<T, DIM>(k_cache + next, stride, std::min(block_size, end - first - block_size));
+      prefetch_rows<T, DIM>(v_cache + next, stride, std::min(block_size, end - first - block_size));
+    }
+    task.block(k_cache + base, v_cache + base, stride, count, h0, h1);
+  }
+}
+
 template <typename T, int64_t DIM>
 void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
                  const int64_t* order, T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
                  int64_t max_blocks, float scale) {
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    auto task = std::make_unique<typename TaskFor<T, DIM>::type>();
-    task->group = group;
-    task->block_size = block_size;
-    task->kv_heads = kv_heads;
+  const std::vector<RowGroup> groups = group_rows(tables, lens, order, rows, max_blocks, block_size, kMaxHeads / group);
+  at::parallel_for(0, static_cast<int64_t>(groups.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    using Task = typename TaskFor<T, DIM>::type;
+    auto task = std::make_unique<Task>();
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = order[w / kv_heads], h = w % kv_heads;
-      const int64_t first_head = r * heads + h * group;
-      task->run(q + first_head * DIM, k_cache, v_cache, tables + r * max_blocks, lens[r], h, scale);
-      task->write(out + first_head * DIM, lse == nullptr ? nullptr : lse + first_head);
+      const RowGroup& rg = groups[w / kv_heads];
+      const int64_t h = w % kv_heads;
+      const T* queries[kMaxHeads];
+      for (int64_t i = 0; i < rg.size; ++i)
+        for (int64_t j = 0; j < group; ++j) queries[i * group + j] = q + (order[rg.begin + i] * heads + h * group + j) * DIM;
+      task->begin(queries, rg.size * group, scale);
+      if (rg.shared > 0)
+        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, tables + order[rg.begin] * max_blocks, 0,
+                                    rg.shared * block_size, h, kv_heads, block_size, 0, rg.size * group);
+      for (int64_t i = 0; i < rg.size; ++i) {
+        const int64_t r = order[rg.begin + i];
+        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, tables + r * max_blocks, rg.shared, lens[r], h, kv_heads,
+                                    block_size, i * group, (i + 1) * group);
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t head = r * heads + h * group + j;
+          task->write(i * group + j, out + head * DIM, lse == nullptr ? nullptr : lse + head);
+        }
+      }
     }
   });
 }
