@@ -35,7 +35,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): bfloat16 on CUDA or a CPU with AVX-512 BF16/AMX, else float32")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the layers' dense halves through torch.compile at start-up (default: the "
-                        "config's [engine] compile, else off)")
+                        "config's [engine] compile, else on for serve and bench)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--max-num-seqs", type=int)
@@ -47,13 +47,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 OFFLINE_SCHEDULER = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 
 
-def _engine_config(args, offline: bool = False) -> EngineConfig:
-    """The config file (or defaults; ``offline``: OFFLINE_SCHEDULER's), then any flag given on
-    the command line."""
+def _engine_config(args, offline: bool = False, compile_by_default: bool = True) -> EngineConfig:
+    """The config file (or defaults; ``offline``: OFFLINE_SCHEDULER's; compiled layers unless a
+    one-off command would wait on the compiler for nothing), then any flag given on the command
+    line."""
     from shared.engine.scheduler import SchedulerConfig
 
     base = load_engine_config(args.config) if args.config else EngineConfig(
-        num_blocks=8192,
+        num_blocks=8192, compile=compile_by_default,
         scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
     if args.config:
         from shared.config import load_section
@@ -198,7 +199,7 @@ def cmd_agreement(args) -> int:
     ckpt = load_checkpoint(_model_path(args))
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     result = measure_agreement(ckpt, load_trace(args.trace, args.limit), args.dtype, args.tokens,
-                               _engine_config(args), log)
+                               _engine_config(args, compile_by_default=False), log)
     print(json.dumps(result.as_dict()) if args.json else format_agreement(result))
     return 0
 
@@ -207,7 +208,7 @@ def cmd_chat(args) -> int:
     from shared.engine.engine import Engine
     from shared.engine.sampling_params import SamplingParams
 
-    engine = Engine.from_checkpoint(_model_path(args), _engine_config(args))
+    engine = Engine.from_checkpoint(_model_path(args), _engine_config(args, compile_by_default=False))
     messages = [{"role": "user", "content": args.prompt}]
     rid = engine.submit(messages, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     for delta in engine.stream(rid):

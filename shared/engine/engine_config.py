@@ -26,7 +26,8 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N": model, KV pool and step tensors
     jump_forward: bool = True  # draft the tokens a grammar forces and verify them in one step
     # The layers' dense halves through torch.compile at start-up (LlamaModel.compile_layers):
-    # the daemons' configs turn it on; off here, so a library user or a test pays no compile.
+    # cloudd's config and command line turn it on; off here, so a library user or a test pays
+    # no compile.
     compile: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # host/disk KV tiers

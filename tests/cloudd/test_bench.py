@@ -38,6 +38,7 @@ def test_bench_json_has_every_variant_baseline_and_ratio(tiny_folder, capsys):
             "--num-blocks", "512", "--json"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)  # exactly one JSON object on stdout
+    assert result["runs"]["radix"]["compiled"] and result["runs"]["hashed"]["compiled"]  # the CLI's default
     assert set(result["runs"]) == {"radix", "hashed"}
     for run in [*result["runs"].values(), result["baseline"]]:
         assert RUN_KEYS <= set(run)
@@ -67,7 +68,7 @@ def test_trace_errors_name_the_line(tmp_path):
 
 def test_bench_compares_tier_variants(tiny_folder, capsys):
     args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--limit", "8",
-            "--output-len", "2", "--tiers", "off,on,layerwise", "--device-pool-frac", "0.2", "--json"]
+            "--output-len", "2", "--tiers", "off,on,layerwise", "--device-pool-frac", "0.2", "--json", "--no-compile"]
     assert main(args) == 0
     captured = capsys.readouterr()
     runs = json.loads(captured.out)["runs"]
@@ -123,7 +124,7 @@ def test_bench_vllm_peer_is_a_run_with_the_same_keys_and_a_ratio(tiny_folder, tm
     monkeypatch.setenv("PEERS_DIR", str(install))
     args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--robots", "2",
             "--output-len", "3", "--num-blocks", "512", "--dtype", "float32", "--baseline", "vllm",
-            "--peers-dir", str(scripts), "--json"]
+            "--peers-dir", str(scripts), "--json", "--no-compile"]
     assert main(args) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)  # one object: vLLM's stdout noise stays out of it
@@ -142,7 +143,7 @@ def test_bench_vllm_peer_not_set_up_fails_before_any_engine_run(tmp_path, monkey
     monkeypatch.setenv("PEERS_DIR", str(install))
     # NOTE: no such model: the peer check must fail first, before the engine loads anything
     args = ["bench", "--model", str(tmp_path / "no-model"), "--trace", str(bundled_trace()), "--limit", "2",
-            "--baseline", "hf,vllm", "--peers-dir", str(scripts), "--json"]
+            "--baseline", "hf,vllm", "--peers-dir", str(scripts), "--json", "--no-compile"]
     assert main(args) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -167,7 +168,7 @@ def test_bench_vllm_peer_failure_shows_the_end_of_its_log(tiny_folder, tmp_path,
                                             "sys.exit(3)\n")
     monkeypatch.setenv("PEERS_DIR", str(install))
     args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--limit", "2",
-            "--baseline", "vllm", "--peers-dir", str(scripts), "--json"]
+            "--baseline", "vllm", "--peers-dir", str(scripts), "--json", "--no-compile"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "offline.py exited with 3" in err and "RuntimeError: no AVX-512" in err
