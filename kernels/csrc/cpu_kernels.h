@@ -15,3 +15,6 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
 // Softmax of attention scores in place over each row's visible keys, with its log-sum-exp
 // (softmax_lse_cpu.cpp).
 torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double scale);
+
+// Each row's first largest value (argmax_cpu.cpp).
+torch::Tensor argmax_rows(torch::Tensor x);

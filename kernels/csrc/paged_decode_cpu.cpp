@@ -370,6 +370,21 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 
 }  // namespace
 
+namespace {
+
+bool is_permutation(const torch::Tensor& order) {  // int64, contiguous
+  const int64_t n = order.numel();
+  const int64_t* p = order.data_ptr<int64_t>();
+  std::vector<bool> seen(n, false);
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] < 0 || p[i] >= n || seen[p[i]]) return false;
+    seen[p[i]] = true;
+  }
+  return true;
+}
+
+}  // namespace
+
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                                      double scale, bool with_lse,
@@ -388,12 +403,13 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
-  TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int64_t>() >= 1, "paged_decode: every row needs at least one key");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(lens, lens + context_lens.numel(), [](int64_t n) { return n >= 1; }),
+              "paged_decode: every row needs at least one key");
   // The order rows run in (a permutation; default: as given). The caller sorts rows that share
-  // blocks next to each other once per step, so each thread finds shared blocks still in cache.
+  // blocks next to each other once per step: they then run as one task (see group_rows).
   torch::Tensor order = row_order.has_value() ? row_order->contiguous() : torch::arange(q.size(0), torch::kInt64);
-  TORCH_CHECK(order.scalar_type() == torch::kInt64 && order.numel() == q.size(0) &&
-              (order.numel() == 0 || torch::equal(std::get<0>(order.sort()), torch::arange(q.size(0), torch::kInt64))),
+  TORCH_CHECK(order.scalar_type() == torch::kInt64 && order.numel() == q.size(0) && is_permutation(order),
               "paged_decode: row_order must be a permutation of the rows (int64)");
   auto out = torch::empty_like(q);
   auto lse = with_lse ? torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32)) : torch::Tensor();

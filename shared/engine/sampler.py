@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.argmax_cpu import argmax_rows
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -28,12 +29,12 @@ class Sampler:
         """(token, logprob of that token) per row; the logprob is computed only when asked for."""
         sampled = [row for row, sp in enumerate(params) if not sp.greedy]
         if not sampled:
-            tokens = _argmax(logits)  # [N]
+            tokens = argmax_rows(logits)  # [N]
         else:
             tokens = torch.empty(len(params), dtype=torch.int64)
             greedy = torch.tensor([row for row, sp in enumerate(params) if sp.greedy], dtype=torch.int64)
             if len(greedy):
-                tokens[greedy] = _argmax(logits.index_select(0, greedy))
+                tokens[greedy] = argmax_rows(logits.index_select(0, greedy))
             rows = torch.tensor(sampled)
             probs = _filtered_probs(logits.index_select(0, rows).float(), [params[r] for r in sampled])
             tokens[rows] = _inverse_cdf_draw(probs, self._uniforms([request_ids[r] for r in sampled],
@@ -65,12 +66,6 @@ class Sampler:
         if request_id not in self._generators:
             self._generators[request_id] = torch.Generator().manual_seed(sp.seed)
         return self._generators[request_id]
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [N] int64: each row's first largest score
-    # NOTE: max's indices, not argmax: on a CPU argmax over bf16 is a scalar loop (21 ms for
-    # [256, 49152], where max takes 3.6 ms); both return the first index of a tied maximum
-    return logits.max(dim=-1).indices
 
 
 TOP_P_CANDIDATES = 1024  # top-p sorts only this many most likely tokens when they reach p
