@@ -91,8 +91,6 @@ def format_run(name: str, r: dict) -> str:
                      f" disk>H {moved['disk_to_host'] / 2**20:,.0f} MB")
     if "ratio" in r:
         lines.append(f"   {r['ratio']:.2f}x the HF transformers baseline's output tok/s")
-    if "vs_vllm" in r:
-        lines.append(f"   {r['vs_vllm']:.2f}x vLLM CPU's output tok/s (cloudd / vllm)")
     return "\n".join(lines)
 
 
