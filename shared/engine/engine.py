@@ -101,6 +101,16 @@ class EngineStats:
         return self.cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def _compile_layers(model: LlamaModel) -> float | None:
+    """``model.compile_layers()``'s seconds, or None (logged) where it cannot compile here: the
+    engine then runs its layers eager, as it would with ``compile`` off."""
+    try:
+        return model.compile_layers()
+    except Exception as e:  # inductor needs a C++ compiler (or Triton on a GPU): eager still serves
+        log.warning("compiling the layers failed, running them eager: %s: %s", type(e).__name__, e)
+        return None
+
+
 class Engine:
     def __init__(
         self,
@@ -126,7 +136,7 @@ class Engine:
         )
         self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size)
         # NOTE: compiled here, at start-up, so that no request waits on the compiler
-        self.compile_seconds = model.compile_layers() if config.compile else None
+        self.compile_seconds = _compile_layers(model) if config.compile else None
         self.tiers = _make_tiers(config, self.pool, self.runner, lambda n: self.scheduler.rate.seconds_for(
             n, self.scheduler.config.max_num_batched_tokens))
         self.scheduler = Scheduler(

@@ -236,7 +236,8 @@ class LlamaModel(nn.Module):
         the residual adds become a few fused kernels around the projections' GEMMs. Smaller
         forwards stay eager: there the compiled call's guards cost more than its fusions save.
         Compiles now, on ``min_tokens`` dummy tokens, and returns the seconds it took; later
-        forwards of any size reuse that code (never a recompile)."""
+        forwards of any size reuse that code (never a recompile). If compiling fails (no C++
+        compiler for inductor, say), the layers stay eager and the error is raised."""
         if min_tokens < 2:
             raise ValueError(f"min_tokens must be >= 2 (one token specializes the compiled shapes), got {min_tokens}")
         started = time.perf_counter()
@@ -245,6 +246,15 @@ class LlamaModel(nn.Module):
             attention_outputs=torch.compile(attention_outputs),
         )
         self.compiled_min_tokens = min_tokens
+        try:
+            self._compile_now(min_tokens)
+        except Exception:
+            self.layer_functions, self.compiled_min_tokens = EAGER, 0
+            raise
+        return time.perf_counter() - started
+
+    def _compile_now(self, min_tokens: int) -> None:
+        """Run both compiled halves once on dummy inputs whose token dimension is marked dynamic."""
         layer, weight = self.layers[0], self.embed_tokens.weight
         with torch.inference_mode():
             x = torch.zeros(min_tokens, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
@@ -262,7 +272,6 @@ class LlamaModel(nn.Module):
             self.layer_functions.attention_outputs(
                 x, attended, layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
                 layer.post_attention_layernorm.eps, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
-        return time.perf_counter() - started
 
     @torch.inference_mode()
     def forward(

@@ -65,3 +65,20 @@ def test_the_compiled_engine_generates_the_eager_tokens_on_the_default_model():
         assert engine.stats().compiled == compile_layers
         engine.close()
     assert runs[0] == runs[1]
+
+
+def test_a_compile_that_fails_leaves_the_engine_eager_and_serving(monkeypatch):
+    """Where inductor cannot compile (no C++ compiler, say), the engine logs it and runs eager."""
+
+    def broken_compile(fn, **_):
+        def call(*args, **kwargs):
+            raise RuntimeError("no C++ compiler")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    model = tiny_model(seed=4)
+    engine = Engine(model, None, EngineConfig(block_size=4, num_blocks=64, compile=True))
+    assert engine.compile_seconds is None and not engine.stats().compiled
+    assert model.compiled_min_tokens == 0  # every forward eager
+    (request,) = engine.generate([list(range(1, 80))], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(request.output_token_ids) == 3
