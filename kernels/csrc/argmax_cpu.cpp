@@ -69,11 +69,6 @@ torch::Tensor argmax_rows(torch::Tensor x) {
       for (int64_t r = begin; r < end; ++r) picks[r] = first_argmax<T>(data + r * n, n);
     });
   };
-  switch (x.scalar_type()) {
-    case torch::kFloat: run(float{}); break;
-    case torch::kBFloat16: run(at::BFloat16{}); break;
-    case torch::kHalf: run(at::Half{}); break;
-    default: TORCH_CHECK(false, "argmax_rows: dtype ", x.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  fleetserve::dispatch_float_dtype(x.scalar_type(), "argmax_rows", run);
   return out;
 }

@@ -1,7 +1,9 @@
-// Element loads and exp for the CPU kernels (header-only, one copy for every kernel).
+// Element loads, exp and the dtype dispatch of the CPU kernels (header-only, one copy for all).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
@@ -51,5 +53,17 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, whole);
 }
 #endif
+
+// Calls run(element) with a value of the C++ type of `dtype` (float32, bfloat16 or float16, the
+// kernels' dtypes); any other dtype is refused with an error naming `kernel`.
+template <typename Run>
+void dispatch_float_dtype(c10::ScalarType dtype, const char* kernel, Run&& run) {
+  switch (dtype) {
+    case c10::ScalarType::Float: run(float{}); break;
+    case c10::ScalarType::BFloat16: run(at::BFloat16{}); break;
+    case c10::ScalarType::Half: run(at::Half{}); break;
+    default: TORCH_CHECK(false, kernel, ": dtype ", dtype, " is not float32, bfloat16 or float16");
+  }
+}
 
 }  // namespace fleetserve

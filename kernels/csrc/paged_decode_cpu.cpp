@@ -433,11 +433,6 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
       default: TORCH_CHECK(false, "paged_decode: head_dim ", dim, " is not compiled");
     }
   };
-  switch (q.scalar_type()) {
-    case torch::kFloat: by_dim(float{}); break;
-    case torch::kBFloat16: by_dim(at::BFloat16{}); break;
-    case torch::kHalf: by_dim(at::Half{}); break;
-    default: TORCH_CHECK(false, "paged_decode: dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  fleetserve::dispatch_float_dtype(q.scalar_type(), "paged_decode", by_dim);
   return {out, lse};
 }

@@ -100,11 +100,6 @@ torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double s
     softmax_rows<T>(scores.data_ptr<T>(), visible.data_ptr<int64_t>(), lse.data_ptr<float>(), scores.size(0),
                     scores.size(1), scores.size(2), static_cast<float>(scale));
   };
-  switch (scores.scalar_type()) {
-    case torch::kFloat: run(float{}); break;
-    case torch::kBFloat16: run(at::BFloat16{}); break;
-    case torch::kHalf: run(at::Half{}); break;
-    default: TORCH_CHECK(false, "softmax_lse_: dtype ", scores.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  fleetserve::dispatch_float_dtype(scores.scalar_type(), "softmax_lse_", run);
   return lse;
 }
