@@ -89,17 +89,11 @@ class ModelRunner:
         shapes). It reads and writes only the null block, whose K/V is zeroed again after."""
         bs = self.block_size
         table = [NULL_BLOCK] * -(-num_tokens // bs)
-        meta = AttentionMetadata.build(
-            decode_block_tables=[], decode_context_lens=[], prefills=[(table, 0, num_tokens)],
-            slot_mapping=[NULL_BLOCK * bs + i % bs for i in range(num_tokens)], block_size=bs,
-            null_block=NULL_BLOCK, workspace=self.workspace,
-            query_group=self.model.config.num_heads // self.model.config.num_kv_heads, device=self.device,
-            in_place=self.decode_in_place,
-        )
+        meta = self._metadata([], [], [(table, 0, num_tokens)], [NULL_BLOCK * bs + i % bs for i in range(num_tokens)])
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(tokens, torch.arange(num_tokens, device=self.device), self.kv_caches,
                             PagedAttentionStep(meta))
-        self.model.logits(hidden[-1:])
+        self.model.logits(hidden[-1:], dtype=None)
         for k_cache, v_cache in self.kv_caches:
             k_cache[NULL_BLOCK].zero_()
             v_cache[NULL_BLOCK].zero_()
@@ -118,22 +112,32 @@ class ModelRunner:
             positions += range(chunk.start, chunk.end)
             slots += slot_ids(chunk.block_table, chunk.start, chunk.end, self.block_size)
         bs = self.block_size
-        meta = AttentionMetadata.build(
-            decode_block_tables=[c.block_table[: -(-(p + 1) // bs)] for c in row_chunks for p in range(c.start, c.end)],
-            decode_context_lens=[p + 1 for c in row_chunks for p in range(c.start, c.end)],
-            prefills=[(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in segment_chunks],
-            slot_mapping=slots,
-            block_size=bs,
+        meta = self._metadata(
+            [c.block_table[: -(-(p + 1) // bs)] for c in row_chunks for p in range(c.start, c.end)],
+            [p + 1 for c in row_chunks for p in range(c.start, c.end)],
+            [(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in segment_chunks],
+            slots,
+        )
+        sample_rows = [row for c in out.chunks
+                       for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]
+        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta, sample_rows)
+
+    def _metadata(self, decode_block_tables: list[list[int]], decode_context_lens: list[int],
+                  prefills: list[tuple[list[int], int, int]], slot_mapping: list[int]) -> AttentionMetadata:
+        """A step's attention metadata in this runner's pool, on its device, for its kernels."""
+        return AttentionMetadata.build(
+            decode_block_tables=decode_block_tables,
+            decode_context_lens=decode_context_lens,
+            prefills=prefills,
+            slot_mapping=slot_mapping,
+            block_size=self.block_size,
             null_block=NULL_BLOCK,
             workspace=self.workspace,
             query_group=self.model.config.num_heads // self.model.config.num_kv_heads,
             device=self.device,
             in_place=self.decode_in_place,
         )
-        sample_rows = [row for c in out.chunks
-                       for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]
-        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device), meta, sample_rows)
 
     def _copy_slots(self, copies: list[SlotCopy]) -> None:
         """Copy-on-write of partially matched prefix blocks, all layers at once per tensor."""

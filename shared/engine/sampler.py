@@ -1,6 +1,6 @@
 """Choose the next token of every sampled row: greedy, or temperature with top-k / top-p.
 
-Greedy rows are one batched argmax. Sampled rows are filtered and normalized together (a few
+Greedy rows are one batched argmax (``kernels.argmax_cpu``). Sampled rows are filtered and normalized together (a few
 ops over all of them, not a dozen per row: an OpenAI client's default temperature of 1 makes
 every row of a busy server a sampled one); unseeded rows then draw in one call from the shared
 generator. A row with a ``seed`` draws from its own ``torch.Generator``, so its tokens do not
@@ -61,8 +61,7 @@ class Sampler:
         return u
 
     def _generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
-        if sp.seed is None:
-            return self._shared
+        """A seeded request's own generator, made at its first draw."""
         if request_id not in self._generators:
             self._generators[request_id] = torch.Generator().manual_seed(sp.seed)
         return self._generators[request_id]
