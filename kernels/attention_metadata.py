@@ -6,9 +6,11 @@ are read once for several rows (see ``kernels.attention``), and each prefill seg
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -168,9 +170,14 @@ class GatherWorkspace:
 
 
 def _padded(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:  # [len(rows), max len]
-    width = max(map(len, rows), default=0)
-    return torch.tensor([[*r, *[pad] * (width - len(r))] for r in rows], dtype=torch.int64, device=device).view(
-        len(rows), width)
+    """Rows of ints as one tensor, each padded to the longest with ``pad``. Through numpy: torch
+    builds a tensor from nested lists element by element (8x slower at a step's block tables)."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
+    width = int(lens.max(initial=0))
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    out[np.arange(width)[None, :] < lens[:, None]] = flat
+    return torch.from_numpy(out).to(device)
 
 
 def _decode_problems(

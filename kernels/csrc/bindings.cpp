@@ -7,5 +7,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
   m.def("softmax_lse_", &softmax_lse_, "in-place softmax of scaled scores over visible keys, returning the lse (CPU)",
         py::arg("scores"), py::arg("visible"), py::arg("scale"));
-  m.def("argmax_rows", &argmax_rows, "each row's first largest value (CPU)", py::arg("x"));
+  m.def("sample_rows", &sample_rows, "one token per row: first largest (temperature 0) or drawn from softmax(x / temperature) (CPU)", py::arg("x"),
+        py::arg("temperatures"), py::arg("uniforms"));
 }

@@ -16,5 +16,6 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
 // (softmax_lse_cpu.cpp).
 torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double scale);
 
-// Each row's first largest value (argmax_cpu.cpp).
-torch::Tensor argmax_rows(torch::Tensor x);
+// One token per row: greedy rows' first largest value, sampled rows' inverse-CDF draw from
+// softmax(x / temperature) (sample_cpu.cpp).
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperatures, torch::Tensor uniforms);

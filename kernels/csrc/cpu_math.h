@@ -54,6 +54,21 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FLEETSERVE_LOAD16 1
+// 16 elements as float32 lanes; lanes outside `live` read nothing and hold 0.
+inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 live) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
+}
+inline __m512 load16(const at::Half* p, __mmask16 live) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p)); }
+
+// The lanes of elements [j, j + 16) that lie before n.
+inline __mmask16 live_lanes(int64_t j, int64_t n) {
+  return j + 16 <= n ? 0xFFFF : j >= n ? 0 : static_cast<__mmask16>((1u << (n - j)) - 1);
+}
+#endif
+
 // Calls run(element) with a value of the C++ type of `dtype` (float32, bfloat16 or float16, the
 // kernels' dtypes); any other dtype is refused with an error naming `kernel`.
 template <typename Run>

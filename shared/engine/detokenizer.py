@@ -38,6 +38,8 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(token_ids)
         self.text += self._decode_new(final=False)
+        if not self._stop:
+            return self._release(len(self.text))
         hit = self._find_stop()
         if hit is not None:
             self.text = self.text[:hit]

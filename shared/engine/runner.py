@@ -100,26 +100,38 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step's flat token ids [T], positions [T], attention metadata and logits rows."""
+        bs = self.block_size
         row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]
         segment_chunks = [c for c in out.prefills if not _as_decode_rows(c)]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        offset: dict[int, int] = {}
-        for chunk in row_chunks + segment_chunks:
+        decode_tables: list[list[int]] = []  # per decode row: the blocks up to its position
+        decode_lens: list[int] = []
+        offset: dict[int, int] = {}  # id(chunk) -> its first row
+        for chunk in row_chunks:
+            offset[id(chunk)] = len(input_ids)
+            input_ids += chunk.token_ids
+            table = chunk.block_table
+            for p in range(chunk.start, chunk.start + len(chunk.token_ids)):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                decode_tables.append(table[: p // bs + 1])
+                decode_lens.append(p + 1)
+        for chunk in segment_chunks:
             offset[id(chunk)] = len(input_ids)
             input_ids += chunk.token_ids
             positions += range(chunk.start, chunk.end)
-            slots += slot_ids(chunk.block_table, chunk.start, chunk.end, self.block_size)
-        bs = self.block_size
+            slots += slot_ids(chunk.block_table, chunk.start, chunk.end, bs)
         meta = self._metadata(
-            [c.block_table[: -(-(p + 1) // bs)] for c in row_chunks for p in range(c.start, c.end)],
-            [p + 1 for c in row_chunks for p in range(c.start, c.end)],
+            decode_tables, decode_lens,
             [(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in segment_chunks],
             slots,
         )
-        sample_rows = [row for c in out.chunks
-                       for row in range(offset[id(c)] + len(c.token_ids) - c.num_logits, offset[id(c)] + len(c.token_ids))]
+        sample_rows = []
+        for c in out.chunks:
+            end = offset[id(c)] + len(c.token_ids)
+            sample_rows += range(end - c.num_logits, end)
         return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device), meta, sample_rows)
 

@@ -1,17 +1,19 @@
 """Choose the next token of every sampled row: greedy, or temperature with top-k / top-p.
 
-Greedy rows are one batched argmax (``kernels.argmax_cpu``). Sampled rows are filtered and normalized together (a few
-ops over all of them, not a dozen per row: an OpenAI client's default temperature of 1 makes
-every row of a busy server a sampled one); unseeded rows then draw in one call from the shared
-generator. A row with a ``seed`` draws from its own ``torch.Generator``, so its tokens do not
-depend on what else shares the batch.
+Greedy rows and rows sampled with a temperature alone go through one kernel call over the
+step's logits in their own dtype (``kernels.sample_cpu``: a row argmax, or an inverse-CDF draw
+from ``softmax(logits / temperature)``), with no copy: an OpenAI client's default temperature of 1
+makes every row of a busy server a sampled one. Rows with top-k or top-p are filtered together
+(a few ops over all of them, not a dozen per row) and drawn by the same kernel. Unseeded rows
+take their uniforms from the shared generator in one call; a row with a ``seed`` draws from its
+own ``torch.Generator``, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.argmax_cpu import argmax_rows
+from kernels.sample_cpu import sample_rows
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -27,18 +29,19 @@ class Sampler:
         params: list[SamplingParams],
     ) -> list[tuple[int, float]]:
         """(token, logprob of that token) per row; the logprob is computed only when asked for."""
-        sampled = [row for row, sp in enumerate(params) if not sp.greedy]
-        if not sampled:
-            tokens = argmax_rows(logits)  # [N]
+        temperatures = torch.tensor([0.0 if sp.greedy else sp.temperature for sp in params], dtype=torch.float32)
+        uniforms = self._uniforms(request_ids, params)
+        filtered = [row for row, sp in enumerate(params) if not sp.greedy and (sp.top_k or sp.top_p < 1.0)]
+        if not filtered:
+            tokens = sample_rows(logits, temperatures, uniforms)  # [N]
         else:
             tokens = torch.empty(len(params), dtype=torch.int64)
-            greedy = torch.tensor([row for row, sp in enumerate(params) if sp.greedy], dtype=torch.int64)
-            if len(greedy):
-                tokens[greedy] = argmax_rows(logits.index_select(0, greedy))
-            rows = torch.tensor(sampled)
-            probs = _filtered_probs(logits.index_select(0, rows).float(), [params[r] for r in sampled])
-            tokens[rows] = _inverse_cdf_draw(probs, self._uniforms([request_ids[r] for r in sampled],
-                                                                   [params[r] for r in sampled]))
+            plain = torch.tensor(sorted(set(range(len(params))) - set(filtered)), dtype=torch.int64)
+            if len(plain):
+                tokens[plain] = sample_rows(logits.index_select(0, plain), temperatures[plain], uniforms[plain])
+            rows = torch.tensor(filtered)
+            scores = _filtered_scores(logits.index_select(0, rows).float(), [params[r] for r in filtered])
+            tokens[rows] = sample_rows(scores, torch.ones(len(filtered)), uniforms[rows])
         want = [row for row, sp in enumerate(params) if sp.logprobs]
         logprobs = torch.zeros(len(params))
         if want:
@@ -52,11 +55,12 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def _uniforms(self, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:  # [rows] in [0, 1)
-        """One uniform per sampled row: unseeded rows' from the shared generator in one call,
-        a seeded row's from its own (its draws then depend on nothing else in the batch)."""
+        """One uniform per row (greedy rows ignore theirs): unseeded rows' from the shared
+        generator in one call, a seeded sampled row's from its own (its draws then depend on
+        nothing else in the batch)."""
         u = torch.rand(len(params), generator=self._shared)
         for i, (rid, sp) in enumerate(zip(request_ids, params, strict=True)):
-            if sp.seed is not None:
+            if sp.seed is not None and not sp.greedy:
                 u[i] = torch.rand(1, generator=self._generator(rid, sp))
         return u
 
@@ -70,22 +74,9 @@ class Sampler:
 TOP_P_CANDIDATES = 1024  # top-p sorts only this many most likely tokens when they reach p
 
 
-def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [rows] int64
-    """Each row's token: the first whose cumulative probability exceeds ``u`` of the row's total
-    (``torch.multinomial`` costs several times more on a CPU: it draws per token). A token of
-    probability 0 is never chosen: its cumulative sum equals its predecessor's."""
-    cdf = probs.cumsum(-1)
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-    # NOTE: u * total can round up to the total: then the last token with probability is meant
-    impossible = probs.gather(1, picks[:, None]).squeeze(1) == 0
-    if bool(impossible.any()):
-        last_live = probs.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-        picks = torch.where(impossible, last_live, picks)
-    return picks
-
-
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[rows, vocab] probabilities of each row under its temperature, top-k and top-p."""
+def _filtered_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] float32 scores to draw from at temperature 1: each row's logits divided by
+    its temperature, -inf outside its top-k and top-p."""
     temperatures = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype)
     scores = logits / temperatures[:, None]
     top_k = torch.tensor([sp.top_k or scores.shape[1] for sp in params])
@@ -105,4 +96,4 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         kept = torch.full_like(scores, float("-inf")).scatter_(
             1, order, scores.gather(1, order).masked_fill_(drop, float("-inf")))
         scores = torch.where((top_p < 1.0)[:, None], kept, scores)
-    return scores.softmax(-1)
+    return scores

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Temperatures below this sample greedily (as vLLM does): 1 / temperature stays far from
+# overflowing float32, so a sampler never sees non-finite scores.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules; validated on construction (ValueError names the field).
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy; it must be finite and at
+    most ``MAX_TEMPERATURE``. ``top_k == 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes a sampled request reproducible on its own, whatever else shares the batch.
     Stop strings are cut from the returned text (OpenAI semantics); stop token ids are not
     returned in the text either. ``ignore_eos`` keeps going past the model's end-of-sequence
@@ -29,16 +35,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.stop, str):  # OpenAI clients send a single stop as a plain string
             object.__setattr__(self, "stop", (self.stop,))
-        if self.temperature != self.temperature:
-            raise ValueError("temperature must be a number, got nan")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -52,4 +56,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

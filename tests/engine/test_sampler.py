@@ -170,6 +170,9 @@ def test_logprobs_are_per_row():
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 100.5}, "temperature"),
         ({"top_k": -1}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
@@ -186,6 +189,15 @@ def test_defaults_are_greedy_and_unfiltered():
     sp = SamplingParams()
     assert sp.greedy and sp.top_k == 0 and sp.top_p == 1.0 and sp.stop == () and sp.seed is None
     assert not SamplingParams(temperature=0.5).greedy
+
+
+def test_a_temperature_too_small_to_invert_samples_greedily():
+    """1 / 1e-45 overflows float32: such a row would turn its scores into NaN, so it is greedy."""
+    sp = SamplingParams(temperature=1e-45)
+    assert sp.greedy
+    logits = random_logits(3, seed=12).bfloat16()
+    picks = Sampler().sample(logits, list("abc"), [sp, SamplingParams(temperature=1e-5), sp])
+    assert tokens(picks) == logits.float().argmax(-1).tolist()
 
 
 def test_stop_lists_are_normalized_to_tuples():
