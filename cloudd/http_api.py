@@ -5,8 +5,12 @@ here), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Streaming is serve
 (``data: {...}`` lines, then ``data: [DONE]``). Extra request fields a robot team may send:
 ``priority`` (safety | interactive | plan | background), ``deadline_ms``, ``robot_id`` (else
 OpenAI's ``user``), ``request_id`` (the idempotency key; default: a fresh id), ``top_k`` and
-``ignore_eos`` (as vLLM accepts them). ``temperature`` defaults to 1 as in OpenAI's API. Unknown OpenAI fields are ignored
-as OpenAI's own server ignores what it does not use; ``n`` other than 1 is refused.
+``ignore_eos`` (as vLLM accepts them). ``temperature`` defaults to 1 as in OpenAI's API. Unknown
+OpenAI fields are ignored as OpenAI's own server ignores what it does not use; ``n`` other than 1
+is refused. Integers out of the protocol's range (``max_tokens``, ``seed``, ``top_k``,
+``deadline_ms``; see ``shared.protocol.messages``) and bodies that cannot be encoded are a 400
+naming the field; a ``request_id`` already in flight is a 409 (two callers cannot share its
+replies).
 
 Streams follow OpenAI's chunks. A stream sends at most one ``data:`` message per engine step: a
 step's text, with ``finish_reason`` on the message of the step that ended the request, not in a
@@ -40,7 +44,7 @@ from cloudd.metrics import ServerMetrics
 from shared.engine.request import stop_reason
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.messages import ChatMessage, Chunk, Error, ErrorCode, Generate, Priority, Result, Sampling
-from shared.transport.client import Call, FleetClient, Reply, RequestFailed
+from shared.transport.client import Call, FleetClient, Reply, RequestFailed, RequestInFlight
 
 log = logging.getLogger(__name__)
 
@@ -326,14 +330,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, request: Generate, chat: bool) -> None:
         try:
-            result = self.ctx.client.generate(request)
+            call = self._start(request)
+            result = call.result() if call is not None else None
         except RequestFailed as e:
             self._protocol_error(e.error)
+            return
+        if result is None:
             return
         self._json(HTTPStatus.OK, _completion_body(result, chat, self.ctx.model_name, int(time.time())))
 
     def _stream(self, request: Generate, chat: bool, include_usage: bool) -> None:
-        call = self.ctx.client.start(request)
+        call = self._start(request)
+        if call is None:
+            return
         tokenizer = self.ctx.tokenizer
         eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         bodies = _ChunkBodies(request.request_id, chat, self.ctx.model_name, int(time.time()), include_usage)
@@ -357,6 +366,17 @@ class _Handler(BaseHTTPRequestHandler):
             log.info("HTTP client left mid-stream: cancelling %s", request.request_id)
             threading.Thread(target=self._cancel_quietly, args=(request.request_id,), daemon=True).start()
         self.close_connection = True
+
+    def _start(self, request: Generate) -> Call | None:
+        """The request's call, or None after answering 409 (its id is in flight on this API)
+        or 400 (it cannot be encoded: an int beyond 64 bits in its response_format, say)."""
+        try:
+            return self.ctx.client.start(request)
+        except RequestInFlight as e:
+            self._error(HTTPStatus.CONFLICT, str(e), "conflict")
+        except ValueError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e), "invalid_request")
+        return None
 
     def _cancel_quietly(self, request_id: str) -> None:
         try:

@@ -33,8 +33,12 @@ class ProtocolError(Exception):
 
 
 def encode(msg: Message) -> bytes:
-    """msgpack bytes of ``msg`` with ``v`` and ``type``."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **_to_wire(msg)}, use_bin_type=True)
+    """msgpack bytes of ``msg`` with ``v`` and ``type``. ValueError (only) when a value cannot
+    travel: an int beyond 64 bits or an object msgpack does not know, say in a ``response_format``."""
+    try:
+        return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **_to_wire(msg)}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{msg.TYPE} message cannot be encoded: {e}") from None
 
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:

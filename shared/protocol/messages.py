@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 PROTOCOL_VERSION = 1
+# Counts, token ids and milliseconds on the wire stay below this (a robot needs far less); every
+# consumer holds them, and an edge that forwards them can always encode them again.
+WIRE_INT_LIMIT = 2**31
+SEED_LIMIT = 2**63  # a seed: any non-negative int64
+
+
+def _check_range(name: str, value: int, low: int, limit: int = WIRE_INT_LIMIT) -> None:
+    """ValueError naming ``name`` unless ``low <= value < limit``."""
+    if not low <= value < limit:
+        raise ValueError(f"{name} must be in [{low}, {limit}), got {value}")
 
 
 class Priority(enum.Enum):
@@ -66,7 +76,8 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling and stop rules; the engine's SamplingParams validates the values."""
+    """Sampling and stop rules. Integers are bounded here (``WIRE_INT_LIMIT``, seeds
+    ``SEED_LIMIT``); the engine's SamplingParams validates what the values mean."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -77,6 +88,14 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: a fixed output length
     logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        _check_range("max_tokens", self.max_tokens, 1)
+        _check_range("top_k", self.top_k, 0)
+        if self.seed is not None:
+            _check_range("seed", self.seed, 0, SEED_LIMIT)
+        for token in self.stop_token_ids:
+            _check_range("stop_token_ids", token, 0)
 
 
 @dataclass(frozen=True)
@@ -102,10 +121,11 @@ class Generate:
             raise ValueError("give exactly one of messages and prompt_ids")
         if not self.request_id:
             raise ValueError("request_id must not be empty")
-        if self.deadline_ms is not None and self.deadline_ms <= 0:
-            raise ValueError(f"deadline_ms must be > 0, got {self.deadline_ms}")
-        if self.resume_from < 0:
-            raise ValueError(f"resume_from must be >= 0, got {self.resume_from}")
+        if self.deadline_ms is not None:
+            _check_range("deadline_ms", self.deadline_ms, 1)
+        _check_range("resume_from", self.resume_from, 0)
+        if self.prompt_ids and not all(0 <= t < WIRE_INT_LIMIT for t in self.prompt_ids):
+            raise ValueError(f"prompt_ids must be in [0, {WIRE_INT_LIMIT})")
 
     def fingerprint(self) -> tuple:
         """What makes two messages the same request (a retry may differ only in resume_from)."""

@@ -48,6 +48,10 @@ class RequestFailed(Exception):
         self.code = error.code
 
 
+class RequestInFlight(ValueError):
+    """``start`` of a request id this client has in flight: its replies cannot go to two callers."""
+
+
 class Call:
     """One request in flight: its replies arrive on ``events``; it ends with a result or error."""
 
@@ -114,7 +118,7 @@ class FleetClient:
         self.endpoint = endpoint
         self.config = config
         self._context = context or zmq.Context.instance()
-        self._outbox: queue.Queue[Message | None] = queue.Queue()
+        self._outbox: queue.Queue[bytes | None] = queue.Queue()  # encoded by the caller: the I/O thread only sends
         self._wake_r, self._wake_w = os.pipe()
         self._calls: dict[str, Call] = {}
         self._calls_lock = threading.Lock()
@@ -128,15 +132,17 @@ class FleetClient:
     # --- requests ---------------------------------------------------------------------------
 
     def start(self, request: Generate) -> Call:
-        """Send ``request`` and return its call; a call already in flight under that id is
-        returned as it is (this client never sends one id twice at once)."""
+        """Send ``request`` and return its call. Raises ValueError when the request cannot be
+        encoded and ``RequestInFlight`` when this client has a call under its id in flight;
+        either way nothing is sent."""
+        payload = encode(request)
         with self._calls_lock:
             call = self._calls.get(request.request_id)
             if call is not None and not call.done.is_set():
-                return call
+                raise RequestInFlight(f"request_id {request.request_id!r} is already in flight on this client")
             call = Call(request, request.request_id)
             self._calls[request.request_id] = call
-        self._send(request)
+        self._send_payload(payload)
         return call
 
     def generate(self, request: Generate, timeout_s: float | None = None) -> Result:
@@ -209,9 +215,12 @@ class FleetClient:
             raise TimeoutError(f"no {msg.TYPE} reply from {self.endpoint} within {timeout} s")
 
     def _send(self, msg: Message) -> None:
+        self._send_payload(encode(msg))
+
+    def _send_payload(self, payload: bytes) -> None:
         if self._closed:
             raise RuntimeError("client is closed")
-        self._outbox.put(msg)
+        self._outbox.put(payload)
         os.write(self._wake_w, b"x")
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
@@ -242,7 +251,7 @@ class FleetClient:
         poller.register(self._wake_r, zmq.POLLIN)
         last_heard = last_probe = time.monotonic()
         failures = 0
-        unsent: collections.deque[Message] = collections.deque()
+        unsent: collections.deque[bytes] = collections.deque()
         refused = False  # the daemon refused our key: until it answers, every call fails at once
         try:
             while True:
@@ -251,12 +260,12 @@ class FleetClient:
                     os.read(self._wake_r, 4096)
                 while True:  # take everything queued
                     try:
-                        msg = self._outbox.get_nowait()
+                        payload = self._outbox.get_nowait()
                     except queue.Empty:
                         break
-                    if msg is None:
+                    if payload is None:
                         return
-                    unsent.append(msg)
+                    unsent.append(payload)
                 if monitor in events:  # NOTE: sticky: the refusal may come before any call is in flight
                     refused = self._handshake_news(monitor, refused)
                 if refused and self._in_flight():
@@ -291,13 +300,13 @@ class FleetClient:
                     unsent.clear()  # what the old socket did not send is re-sent below, as of now
                     for call in self._in_flight():
                         if call.request is not None:
-                            unsent.append(dataclasses.replace(call.request, resume_from=call.next_seq))
+                            unsent.append(encode(dataclasses.replace(call.request, resume_from=call.next_seq)))
                         else:
-                            unsent.append(Cancel(call.request_id))
+                            unsent.append(encode(Cancel(call.request_id)))
                     _send_ready(sock, unsent)
                     last_heard = last_probe = now
                 elif now - last_heard >= self.config.heartbeat_s and now - last_probe >= self.config.heartbeat_s:
-                    unsent.append(Health())
+                    unsent.append(encode(Health()))
                     _send_ready(sock, unsent)
                     last_probe = now
         finally:
@@ -337,7 +346,7 @@ def _send_ready(sock: zmq.Socket, unsent: collections.deque) -> None:
     connecting, or refused) would block the I/O thread; what cannot go now waits for the next turn."""
     while unsent:
         try:
-            sock.send(encode(unsent[0]), zmq.NOBLOCK)
+            sock.send(unsent[0], zmq.NOBLOCK)
         except zmq.Again:
             return
         unsent.popleft()

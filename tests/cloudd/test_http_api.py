@@ -5,6 +5,7 @@ through the official `openai` client: `stream_options.include_usage` as OpenAI s
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -17,8 +18,9 @@ from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.model.gguf_loader import build_tokenizer, read_gguf
-from shared.protocol.messages import Chunk, Sampling
-from shared.transport.client import FleetClient
+from cloudd.metrics import ServerMetrics
+from shared.protocol.messages import Chunk, Generate, Sampling
+from shared.transport.client import ClientConfig, FleetClient, RequestInFlight
 from tests.engine.tiny import tiny_model
 
 openai = pytest.importorskip("openai")
@@ -165,3 +167,42 @@ def test_null_stream_options_are_absent_options(api):
 ])
 def test_a_chunk_ends_its_request_by_the_engine_s_stop_rule(tokens, num_tokens, sampling, ends):
     assert _ends_request(Chunk("r", 0, tokens, ""), num_tokens, sampling, frozenset({0, 2})) is ends
+
+
+@pytest.mark.parametrize("extra", [
+    {"max_tokens": 2**64}, {"seed": 2**64}, {"top_k": 2**64}, {"deadline_ms": 2**64},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "maximum": 2**70}}}},
+], ids=["max_tokens", "seed", "top_k", "deadline_ms", "huge-int-in-schema"])
+def test_an_integer_beyond_the_wire_is_a_400_and_the_api_keeps_serving(api, http, extra):
+    """Found in review: one such request killed the shared client's I/O thread, /health turned 503
+    and every later completion hung."""
+    status, text = post_error(http[0], {"messages": MESSAGES, **extra})
+    assert status == 400
+    assert next(iter(extra)) in text or "cannot be encoded" in text
+    with urllib.request.urlopen(http[0] + "/health", timeout=10) as resp:
+        assert json.load(resp)["status"] == "ok"
+    reply = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **FIXED)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_a_request_id_already_in_flight_is_a_409(http):
+    """Found in review: a second request under a live id was handed the first one's call; the two
+    handlers then read each other's replies and the first waited for ever. Here the first is kept
+    in flight for sure: its daemon never answers."""
+    tokenizer = http[1]
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    client = FleetClient(endpoint, ClientConfig(timeout_s=60, retries=0))
+    front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, ServerMetrics(), "tiny"))
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    try:
+        client.start(Generate(request_id="shared-id", prompt_ids=(1, 2, 3)))
+        status, text = post_error(f"http://127.0.0.1:{front.server_address[1]}",
+                                  {"messages": MESSAGES, "request_id": "shared-id"})
+        assert status == 409 and "already in flight" in text
+        with pytest.raises(RequestInFlight):
+            client.start(Generate(request_id="shared-id", prompt_ids=(1, 2, 3)))
+    finally:
+        front.shutdown()
+        client.close()

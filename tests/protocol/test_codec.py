@@ -145,3 +145,35 @@ def test_priority_rank_is_the_one_sort_key():
     assert sorted(Priority, key=lambda p: p.rank) == [
         Priority.SAFETY, Priority.INTERACTIVE, Priority.PLAN, Priority.BACKGROUND
     ]
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: Sampling(max_tokens=2**64), "max_tokens"),
+        (lambda: Sampling(max_tokens=0), "max_tokens"),
+        (lambda: Sampling(top_k=2**31), "top_k"),
+        (lambda: Sampling(seed=2**63), "seed"),
+        (lambda: Sampling(seed=-1), "seed"),
+        (lambda: Sampling(stop_token_ids=(2**40,)), "stop_token_ids"),
+        (lambda: Generate(request_id="a", prompt_ids=(1,), deadline_ms=2**64), "deadline_ms"),
+        (lambda: Generate(request_id="a", prompt_ids=(1,), resume_from=2**31), "resume_from"),
+        (lambda: Generate(request_id="a", prompt_ids=(1, 2**31)), "prompt_ids"),
+    ],
+)
+def test_integers_beyond_the_wire_range_are_refused_naming_the_field(build, field):
+    """Found in review: max_tokens (or seed, top_k, deadline_ms) of 2^64 passed the HTTP edge,
+    msgpack could not encode it, and the exception killed the shared client's I/O thread."""
+    with pytest.raises(ValueError, match=field):
+        build()
+
+
+def test_a_wire_integer_out_of_range_is_a_bad_message():
+    with pytest.raises(ProtocolError) as info:
+        decode(raw(type="generate", request_id="a", prompt_ids=[1], sampling={"max_tokens": 2**63}))
+    assert info.value.code == ErrorCode.BAD_MESSAGE and "max_tokens" in info.value.message
+
+
+def test_a_value_msgpack_cannot_carry_is_a_value_error_from_encode():
+    with pytest.raises(ValueError, match="cannot be encoded"):
+        encode(Generate(request_id="a", prompt_ids=(1,), response_format={"type": "json_object", "x": 2**70}))
