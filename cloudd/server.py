@@ -47,7 +47,7 @@ from shared.protocol.messages import (
 )
 from shared.transport.curve import ClientCurve, ServerCurve
 from shared.transport.ledger import LedgerEntry, RequestLedger
-from shared.transport.router import incoming, send_nowait
+from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,7 @@ class CloudServer:
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._stop = threading.Event()
         self._draining = False
-        self.socket = self.context.socket(zmq.ROUTER)  # the front thread's, once serving
-        self.socket.setsockopt(zmq.LINGER, 1000)  # let the last replies out on close
+        self.socket = router_socket(self.context)  # the front thread's, once serving
         self.curve: ServerCurve | None = None
         self.local_curve: ClientCurve | None = None  # what a client in this process connects with
         if config.curve_secret_key:

@@ -49,7 +49,7 @@ from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
 )
 from shared.transport.ledger import LedgerEntry, RequestLedger
-from shared.transport.router import incoming, send_nowait
+from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +131,7 @@ class EdgeServer:
         self._wake_r, self._wake_w = os.pipe()
         self._stop = threading.Event()
         self._draining = False
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket = router_socket(self.context)
         self.endpoints = [self._bind(ep) for ep in config.endpoints]
 
     def _bind(self, endpoint: str) -> str:

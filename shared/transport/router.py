@@ -8,10 +8,24 @@ from collections.abc import Iterator
 
 import zmq
 
-from shared.protocol.codec import ProtocolError, decode
+from shared.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode
 from shared.protocol.messages import Error, ErrorCode, Message
 
 log = logging.getLogger(__name__)
+
+# ZeroMQ drops a frame past this before reading it whole (and disconnects its sender); up to it an
+# oversize message is read and answered ``too_large`` by ``decode``. Without it a 1 GiB frame was
+# received whole (+1.2 GB peak) before that reply.
+MAX_FRAME_BYTES = 8 * MAX_MESSAGE_BYTES
+
+
+def router_socket(context: zmq.Context) -> zmq.Socket:
+    """A daemon's ROUTER socket: frames bounded by ``MAX_FRAME_BYTES``; on close, up to a second
+    to let the last replies out."""
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    return socket
 
 
 def incoming(socket: zmq.Socket, limit: int = 1000) -> Iterator[tuple[bytes, bytes, Message | Error]]:

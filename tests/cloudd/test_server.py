@@ -35,6 +35,7 @@ from shared.protocol.messages import (
     Usage,
 )
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
+from shared.transport.router import MAX_FRAME_BYTES
 from tests.engine.tiny import greedy_reference, tiny_model
 
 MODEL = tiny_model(tie_word_embeddings=False)
@@ -119,6 +120,18 @@ def test_bad_input_gets_an_error_reply_and_the_server_keeps_serving(peer, payloa
     assert isinstance(reply, Error) and reply.code is code
     peer.send(Health())
     assert peer.recv() == Health("ok")
+
+
+def test_a_frame_past_the_transport_limit_is_dropped_unread_and_the_server_keeps_serving(server):
+    """Found in review: with no ZeroMQ message-size limit a 1 GiB frame was received whole
+    before the too_large reply."""
+    assert server.socket.getsockopt(zmq.MAXMSGSIZE) == MAX_FRAME_BYTES
+    sender = Peer(server.endpoint)
+    sender.send(b"\x00" * (MAX_FRAME_BYTES + 1))
+    other = Peer(server.endpoint)
+    other.send(Health())
+    assert other.recv() == Health("ok")
+    sender.close(), other.close()
 
 
 def test_a_reply_message_sent_as_a_request_is_refused(peer):
