@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import stat
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,3 +115,29 @@ def test_bad_config_names_the_key(bad, key):
 def test_tiers_need_the_radix_tree():
     with pytest.raises(ValueError, match="hicache"):
         EngineConfig(prefix_index="hashed", hicache=HiCacheConfig(enabled=True))
+
+
+def test_page_files_are_private_to_the_daemon_s_user(tmp_path):
+    """Found in review: page files were 0644 in 0755 directories: anyone local read the KV of
+    the fleet's prompts."""
+    root = tmp_path / "disk"
+    root.mkdir(mode=0o755)
+    disk = DiskTier(root)
+    disk.write_file(b"\x01" * 16, b"payload")
+    path = disk.path_of(b"\x01" * 16)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_stray_names_and_symlinks_do_not_stop_the_tier_from_starting(tmp_path):
+    """Found in review: one non-hex ``*.kv`` name or a broken symlink made DiskTier() raise."""
+    disk = DiskTier(tmp_path)
+    page = b"\x02" * 16
+    disk.write_file(page, b"payload")
+    (tmp_path / "zz").mkdir()
+    (tmp_path / "zz" / ("not-hex-at-all-but-32-chars-long" + ".kv")).write_bytes(b"x")
+    (tmp_path / "02" / "broken.kv").symlink_to(tmp_path / "missing")
+    (tmp_path / "02" / ("02" * 15 + "ab.kv")).symlink_to(disk.path_of(page))  # a page name, but a link
+    restarted = DiskTier(tmp_path)
+    assert page in restarted and len(restarted) == 1

@@ -4,6 +4,9 @@ Identical pages (the same tokens after the same prefix) have the same name, so t
 once, and a restarted daemon finds its pages again by scanning the directory. Each file is
 ``MAGIC | digest(payload) | len(payload) | payload``: a torn or corrupted write fails the digest
 on read, is deleted, and reads as a miss. Files are written to a temporary name and renamed.
+The pages hold the fleet's prompts (as KV), so only the daemon's user may read them: directories
+are 0700 and files 0600. Anything else in the directory (a stray name, a symlink, a broken one)
+is ignored by the start-up scan, never followed.
 
 Threading: the index (which hashes are stored, LRU order) belongs to the engine thread; the
 file methods (`write_file`, `read_file`, `delete_file`) touch no shared state and run on the
@@ -28,6 +31,11 @@ def payload_digest(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def _is_page_name(stem: str) -> bool:
+    """32 lowercase hex digits: the name ``path_of`` gives a page."""
+    return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
+
+
 class DiskTier:
     """Content-addressed page files under ``directory`` (created if missing)."""
 
@@ -35,7 +43,8 @@ class DiskTier:
         if max_pages < 0:
             raise ValueError(f"max_pages must be >= 0, got {max_pages}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)  # also one an operator made with the default 0755
         self.max_pages = max_pages  # 0 = unbounded
         self._index: OrderedDict[PageHash, None] = OrderedDict()  # oldest first
         self._scan()
@@ -44,9 +53,11 @@ class DiskTier:
         """Index the pages a previous run left (oldest mtime first); drop temporary files."""
         found = []
         for path in self.directory.glob("*/*"):
+            if path.is_symlink() or not path.is_file():
+                continue
             if path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
-            elif path.suffix == SUFFIX and len(path.stem) == 32:
+            elif path.suffix == SUFFIX and _is_page_name(path.stem) and path.parent.name == path.stem[:2]:
                 found.append((path.stat().st_mtime, bytes.fromhex(path.stem)))
         for _, page_hash in sorted(found):
             self._index[page_hash] = None
@@ -84,9 +95,9 @@ class DiskTier:
 
     def write_file(self, page_hash: PageHash, payload: bytes | memoryview) -> None:
         path = self.path_of(page_hash)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(_HEADER.pack(MAGIC, payload_digest(payload), len(payload)))
             f.write(payload)
         os.replace(tmp, path)
