@@ -154,7 +154,8 @@ def cmd_serve(args) -> int:
     server = CloudServer(engine, serve, model_name=model_path.stem)
     client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
     http = make_http_server(serve.http_host, serve.http_port, ApiContext(client, ckpt.tokenizer, server.metrics,
-                                                                         model_path.stem))
+                                                                         model_path.stem),
+                            timeout_s=serve.http_timeout_s, max_connections=serve.http_max_connections)
     http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
     http_thread.start()
     for sig in (signal.SIGTERM, signal.SIGINT):

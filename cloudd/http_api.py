@@ -67,6 +67,11 @@ class BadRequest(ValueError):
     """The HTTP body is not a request we can serve; the message says why."""
 
 
+class BodyTooLarge(BadRequest):
+    """A body past ``MAX_BODY_BYTES``: answered 413, unread, and the connection closed (its bytes
+    must not be parsed as the next request)."""
+
+
 @dataclass(frozen=True)
 class ApiContext:
     client: FleetClient
@@ -75,13 +80,44 @@ class ApiContext:
     model_name: str
 
 
-def make_http_server(host: str, port: int, ctx: ApiContext) -> ThreadingHTTPServer:
+def make_http_server(host: str, port: int, ctx: ApiContext, timeout_s: float = 30.0,
+                     max_connections: int = 256) -> ThreadingHTTPServer:
     """A threaded HTTP server bound to ``host:port`` (port 0: any free port); call
-    ``serve_forever`` in a thread and ``shutdown`` to stop it."""
-    handler = type("BoundHandler", (_Handler,), {"ctx": ctx})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    ``serve_forever`` in a thread and ``shutdown`` to stop it.
+
+    A connection that sends nothing for ``timeout_s`` (a half-sent request, an idle keep-alive,
+    a stream reader that stopped reading) is closed. Beyond ``max_connections`` open at once, a
+    new connection is answered 503 and closed at once, without a thread of its own."""
+    handler = type("BoundHandler", (_Handler,), {"ctx": ctx, "timeout": timeout_s})
+    return _BoundedHTTPServer((host, port), handler, max_connections)
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 # --- OpenAI body -> protocol ---------------------------------------------------------------------
@@ -318,6 +354,10 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
             request = generate_from_body(body, path == "/v1/chat/completions", self.ctx.tokenizer)
             include_usage = include_usage_from_body(body, request.stream)
+        except BodyTooLarge as e:
+            self.close_connection = True
+            self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(e), "too_large")
+            return
         except BadRequest as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e), "invalid_request")
             return
@@ -362,7 +402,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self._event({"error": {"message": group[-1].message, "code": group[-1].code.value}})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # gone, or stopped reading
             log.info("HTTP client left mid-stream: cancelling %s", request.request_id)
             threading.Thread(target=self._cancel_quietly, args=(request.request_id,), daemon=True).start()
         self.close_connection = True
@@ -387,13 +427,19 @@ class _Handler(BaseHTTPRequestHandler):
     # --- plumbing ---
 
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
+        declared = self.headers.get("Content-Length") or "0"
+        if not declared.isdigit():  # NOTE: int() takes "-1" (read until close) and "1_000"
+            self.close_connection = True  # where this body ends is unknown
+            raise BadRequest(f"Content-Length must be a number of bytes, got {declared!r}")
+        length = int(declared)
         if length > MAX_BODY_BYTES:
-            raise BadRequest(f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
+            raise BodyTooLarge(f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
         try:
             return json.loads(self.rfile.read(length) or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"body is not JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("body is nested too deeply") from None
 
     def _start_events(self) -> None:
         self.send_response(HTTPStatus.OK)

@@ -65,6 +65,8 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0  # on stop, running requests get this long to finish
     idle_poll_ms: int = 50  # how long the loop sleeps on the socket when the engine is idle
     max_robot_labels: int = 64  # Prometheus robot labels before "other"
+    http_timeout_s: float = 30.0  # an HTTP connection silent this long is closed
+    http_max_connections: int = 256  # more open at once: the next is answered 503
     # response_format objects (JSON files) or "fleet-plan" to compile at start-up
     precompile: tuple[str, ...] = ()
     # CURVE: both set = every connection is encrypted and must present a robot key found in
@@ -78,6 +80,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a port number, got {getattr(self, name)}")
         if self.result_ttl_s <= 0 or self.max_waiting < 1 or self.shutdown_grace_s < 0 or self.idle_poll_ms < 1:
             raise ValueError("result_ttl_s > 0, max_waiting >= 1, shutdown_grace_s >= 0, idle_poll_ms >= 1")
+        if self.http_timeout_s <= 0 or self.http_max_connections < 1:
+            raise ValueError("http_timeout_s > 0, http_max_connections >= 1")
         if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
             raise ValueError("curve_secret_key and curve_authorized_dir go together")
 

@@ -206,3 +206,65 @@ def test_a_request_id_already_in_flight_is_a_409(http):
     finally:
         front.shutdown()
         client.close()
+
+
+def raw_http(url: str, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(data)
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    return received
+
+
+def post_head(length: str) -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("length", ["-1", "abc", "7.0", "1_000"])
+def test_a_content_length_that_is_not_a_byte_count_is_a_400(http, length):
+    """Found in review: -1 read until close (400 MiB accepted past the 1 MiB limit), and a
+    non-numeric length closed the connection with no answer."""
+    reply = raw_http(http[0], post_head(length) + b'{"messages": []}')
+    assert reply.startswith(b"HTTP/1.1 400") and b"Content-Length must be a number" in reply
+
+
+def test_an_oversize_body_is_a_413_and_its_bytes_are_not_read_as_a_next_request(http):
+    """Found in review: the oversize body was left unread and parsed as the next request."""
+    hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # would be answered if the body were parsed
+    reply = raw_http(http[0], post_head(str(2 << 20)).replace(b"Connection: close", b"Connection: keep-alive") + hidden)
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert reply.count(b"HTTP/1.1 ") == 1
+
+
+def test_json_nested_too_deeply_is_a_400(http):
+    body = b"[" * 100_000 + b"]" * 100_000
+    reply = raw_http(http[0], post_head(str(len(body))) + body)
+    assert reply.startswith(b"HTTP/1.1 400") and b"nested too deeply" in reply
+
+
+def test_a_half_sent_request_is_dropped_after_the_timeout_and_connections_are_capped(http):
+    """Found in review: 500 half-sent requests held 509 threads for 60 s and more."""
+    client = FleetClient("inproc://nobody")  # never reached: no request gets that far
+    front = make_http_server("127.0.0.1", 0, ApiContext(client, http[1], ServerMetrics(), "t"), timeout_s=0.5,
+                             max_connections=2)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    address = front.server_address[:2]
+    try:
+        held = [socket.create_connection(address, timeout=30) for _ in range(2)]
+        for conn in held:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        with socket.create_connection(address, timeout=30) as third:
+            assert third.recv(1024).startswith(b"HTTP/1.1 503")
+        for conn in held:  # closed, unanswered, once silent for the timeout
+            assert conn.recv(1024) == b""
+            conn.close()
+        with socket.create_connection(address, timeout=30) as later:  # their slots are free again
+            later.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert later.recv(1024).startswith(b"HTTP/1.1 200")
+    finally:
+        front.shutdown()
+        client.close()
