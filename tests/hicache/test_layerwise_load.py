@@ -67,21 +67,22 @@ def test_forward_overlaps_the_rest_of_the_load(monkeypatch):
     outs = [r.output_token_ids for r in engine.generate(prompts[:4], GREEDY)]  # turn 1; evicts
     engine.tiers.drain()
 
-    landed: dict[tuple[int, int], float] = {}  # (fence id, layer) -> time
-    read: dict[tuple[int, int], float] = {}
+    # NOTE: keyed by the fences themselves, which keeps them alive: a collected fence's id() is reused
+    landed: dict[tuple[LayerFence, int], float] = {}  # (fence, layer) -> time
+    read: dict[tuple[LayerFence, int], float] = {}
     lock = threading.Lock()
     real_landed, real_attend = LayerFence.landed, PagedAttentionStep.attend
 
     def slow_landed(self, layer):
         time.sleep(0.03)
         with lock:
-            landed[id(self), layer] = time.perf_counter()
+            landed[self, layer] = time.perf_counter()
         real_landed(self, layer)
 
     def spying_attend(self, layer, *args):
         out = real_attend(self, layer, *args)  # waits on the fences first
         for fence in self.fences:
-            read.setdefault((id(fence), layer), time.perf_counter())
+            read.setdefault((fence, layer), time.perf_counter())
         return out
 
     monkeypatch.setattr(LayerFence, "landed", slow_landed)
