@@ -66,6 +66,7 @@ class ServeConfig:
     idle_poll_ms: int = 50  # how long the loop sleeps on the socket when the engine is idle
     max_robot_labels: int = 64  # Prometheus robot labels before "other"
     http_timeout_s: float = 30.0  # an HTTP connection silent this long is closed
+    stall_after_s: float = 10.0  # an engine turn running longer: health answers "stalled"
     http_max_connections: int = 256  # more open at once: the next is answered 503
     # response_format objects (JSON files) or "fleet-plan" to compile at start-up
     precompile: tuple[str, ...] = ()
@@ -80,8 +81,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a port number, got {getattr(self, name)}")
         if self.result_ttl_s <= 0 or self.max_waiting < 1 or self.shutdown_grace_s < 0 or self.idle_poll_ms < 1:
             raise ValueError("result_ttl_s > 0, max_waiting >= 1, shutdown_grace_s >= 0, idle_poll_ms >= 1")
-        if self.http_timeout_s <= 0 or self.http_max_connections < 1:
-            raise ValueError("http_timeout_s > 0, http_max_connections >= 1")
+        if self.http_timeout_s <= 0 or self.http_max_connections < 1 or self.stall_after_s <= 0:
+            raise ValueError("http_timeout_s > 0, http_max_connections >= 1, stall_after_s > 0")
         if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
             raise ValueError("curve_secret_key and curve_authorized_dir go together")
 
@@ -98,6 +99,7 @@ class CloudServer:
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._stop = threading.Event()
         self._draining = False
+        self._turn_began: float | None = None  # when the engine thread's current turn began (None: idle)
         self.socket = router_socket(self.context)  # the front thread's, once serving
         self.curve: ServerCurve | None = None
         self.local_curve: ClientCurve | None = None  # what a client in this process connects with
@@ -153,11 +155,14 @@ class CloudServer:
                     self._cancel_all("server shutting down")
                     return
                 busy = self.engine.has_unfinished
-                if self._engine_pipe.poll(0 if busy else self.config.idle_poll_ms):
+                ready = self._engine_pipe.poll(0 if busy else self.config.idle_poll_ms)
+                self._turn_began = time.monotonic()
+                if ready:
                     self._read_all()
                 if self.engine.has_unfinished:
                     self._step()
                 self.ledger.expire(time.monotonic())
+                self._turn_began = None
         finally:
             self._front_done.set()
             front.join()
@@ -196,9 +201,20 @@ class CloudServer:
             if isinstance(msg, Error):
                 self._send_now(identity, encode(msg))
             elif isinstance(msg, Health):
-                self._send_now(identity, encode(Health("draining" if self._draining else "ok")))
+                self._send_now(identity, encode(Health(self.health())))
             else:
                 self._front_pipe.send_multipart([identity, payload])
+
+    def health(self) -> str:
+        """``draining`` once stopping; ``stalled`` while one engine turn (reading requests, a
+        step) has run past ``stall_after_s``, as a grammar, a validation or a bug can make it;
+        else ``ok``. Answered by the front thread, so it answers during a stall."""
+        began = self._turn_began
+        if self._draining:
+            return "draining"
+        if began is not None and time.monotonic() - began > self.config.stall_after_s:
+            return "stalled"
+        return "ok"
 
     def _send_now(self, identity: bytes, payload: bytes) -> None:
         """Front thread only."""
@@ -301,7 +317,7 @@ class CloudServer:
         entry.text.append(delta.text)
         entry.token_ids.extend(delta.token_ids)
         self.monitor.on_tokens(len(delta.token_ids))
-        if entry.request.stream and (delta.token_ids or delta.text):
+        if entry.stream and (delta.token_ids or delta.text):
             chunk = Chunk(delta.request_id, entry.next_seq, tuple(delta.token_ids), delta.text)
             entry.chunks.append(chunk)
             for identity in entry.subscribers:

@@ -48,6 +48,9 @@ from shared.protocol.messages import Priority
 Messages = Sequence[Mapping[str, str]]
 Pick = tuple[int, float]  # a sampled token and its logprob
 MAX_DRAFT_TOKENS = 32  # jump-forward tokens verified in one step, at most
+# A text prompt longer than this many characters per token of max_model_len cannot fit whatever
+# the tokenizer: it is refused before tokenizing (which would hold the engine's thread).
+MAX_CHARS_PER_TOKEN = 32
 log = logging.getLogger(__name__)
 
 
@@ -209,8 +212,6 @@ class Engine:
             robot_id=robot_id,
             deadline=None if deadline_s is None else now + deadline_s,
         )
-        if spec is not None:
-            req.grammar_pending = self.grammar_compiler.compile_async(spec)
         if deadline_s is not None:
             eta = self.scheduler.first_token_eta(req)
             if eta > deadline_s:
@@ -218,6 +219,9 @@ class Engine:
                     f"deadline in {deadline_s * 1000:.0f} ms, but the first token is estimated in "
                     f"{eta * 1000:.0f} ms behind the queued work"
                 )
+        if spec is not None:  # NOTE: only once admissible: a refused request's would take the compile thread
+            self.scheduler.check_admissible(req)
+            req.grammar_pending = self.grammar_compiler.compile_async(spec)
         self.scheduler.add(req)
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, sampling.stop)
@@ -466,6 +470,11 @@ class Engine:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: submit token ids")
+            chars = len(prompt) if isinstance(prompt, str) else sum(len(str(m.get("content", ""))) for m in prompt)
+            limit = MAX_CHARS_PER_TOKEN * self.scheduler.config.max_model_len
+            if chars > limit:  # refused before tokenizing it would hold the engine's thread
+                raise ValueError(f"prompt of {chars} characters cannot fit max_model_len "
+                                 f"{self.scheduler.config.max_model_len} tokens")
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)
             return self.tokenizer.encode_chat(prompt)

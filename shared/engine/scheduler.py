@@ -93,7 +93,8 @@ class Scheduler:
 
     # --- requests in and out -------------------------------------------------------------
 
-    def add(self, req: Request) -> None:
+    def check_admissible(self, req: Request) -> None:
+        """ValueError if ``add`` would refuse ``req`` (a prompt too long, an id in use)."""
         if req.num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of {req.num_tokens} tokens does not fit max_model_len "
@@ -101,6 +102,10 @@ class Scheduler:
             )
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+
+    def add(self, req: Request) -> None:
+        """Queue ``req``: waiting for its grammar (``grammar_pending``) or for a seat."""
+        self.check_admissible(req)
         if req.grammar_pending is not None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.awaiting_grammar[req] = None

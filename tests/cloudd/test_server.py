@@ -337,3 +337,38 @@ def test_the_client_gives_up_with_unavailable_after_its_retries():
     assert info.value.code is ErrorCode.UNAVAILABLE
     client.close()
     router.close()
+
+
+def test_health_says_stalled_while_one_engine_turn_runs_past_its_bound():
+    """Found in review: a request could hold the engine's thread for seconds while health still
+    answered ok."""
+    with running_server(stall_after_s=0.2) as server:
+        entered, release = threading.Event(), threading.Event()
+        step = server.engine.step
+
+        def stuck_step():
+            entered.set()
+            release.wait(30)
+            return step()
+
+        server.engine.step = stuck_step
+        peer = Peer(server.endpoint)
+        try:
+            peer.send(gen("slow", max_tokens=2))
+            assert entered.wait(10)
+            statuses = []
+            while "stalled" not in statuses and len(statuses) < 200:  # the turn passes 0.2 s while stuck
+                peer.send(Health())
+                statuses.append(peer.recv().status)
+                release.wait(0.05)
+            assert statuses[-1] == "stalled"
+            server.engine.step = step
+            release.set()
+            peer.until_result()
+            peer.send(Health())
+            while isinstance(reply := peer.recv(), Result | Chunk):  # the stalled turn's late replies
+                pass
+            assert reply == Health("ok")
+        finally:
+            release.set()
+            peer.close()

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.engine.grammar.limits import check_grammar_limits
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "ebnf")
 
@@ -91,9 +93,17 @@ def grammar_spec(response_format: Mapping[str, Any] | None) -> GrammarSpec | Non
     """The GrammarSpec a protocol/OpenAI `response_format` asks for; None when unconstrained.
 
     Raises ValueError naming the offending field for an unknown type, a missing or mistyped field,
-    or an invalid skill list. It does not compile anything: a schema, regex or EBNF that xgrammar
-    rejects surfaces from the compiler.
+    an invalid skill list, or a grammar past the bounds of ``shared.engine.grammar.limits``. It
+    does not compile anything: a schema, regex or EBNF that xgrammar rejects surfaces from the
+    compiler.
     """
+    spec = _spec_of(response_format)
+    if spec is not None:
+        check_grammar_limits(spec)
+    return spec
+
+
+def _spec_of(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
     if response_format is None:
         return None
     if not isinstance(response_format, Mapping):
@@ -204,6 +214,8 @@ def _canonical_json(schema: Mapping[str, Any]) -> str:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"response_format schema is not plain JSON: {exc}") from exc
+    except RecursionError:
+        raise ValueError("response_format schema is nested too deeply") from None
 
 
 def _nonempty_str(value: Any, where: str) -> str:

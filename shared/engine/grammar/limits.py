@@ -1,0 +1,99 @@
+"""Bounds on what a ``response_format`` may ask of the grammar engine, checked before anything
+is parsed or compiled.
+
+A grammar's cost is paid on the engine's thread at every step (its token masks), and its
+checks run in ``submit``: one small request must not stall every robot. Refused with a
+ValueError naming the bound:
+
+- any grammar's text longer than ``MAX_GRAMMAR_CHARS``;
+- a JSON schema nested deeper than ``MAX_SCHEMA_DEPTH`` (objects and arrays of the document;
+  700 levels had taken 12.8 s to validate);
+- a regex whose counted repetitions, multiplied along their nesting, exceed ``MAX_REPETITION``
+  (``(a{1,99}){1,99}`` is 9,801): each bound copies its pattern into the automaton, and a
+  24-character nested repeat had made every step's mask fill take seconds. ``*``, ``+`` and
+  ``?`` are loops, not copies, and count 1.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engine.grammar.response_format import GrammarSpec
+
+MAX_GRAMMAR_CHARS = 65_536
+MAX_SCHEMA_DEPTH = 32
+MAX_REPETITION = 1_024
+
+_COUNTED = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def check_grammar_limits(spec: "GrammarSpec") -> None:
+    """ValueError naming the bound ``spec`` exceeds; nothing else is checked here."""
+    if len(spec.source) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"response_format: a {spec.kind} of {len(spec.source)} characters exceeds "
+                         f"{MAX_GRAMMAR_CHARS}")
+    if spec.kind == "json_schema" and (depth := json_depth(spec.source)) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"response_format: the schema nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}")
+    if spec.kind == "regex" and (copies := repetition_product(spec.source)) > MAX_REPETITION:
+        raise ValueError(f"response_format.regex: nested counted repetitions make {copies} copies, "
+                         f"more than {MAX_REPETITION}")
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays in a JSON text (0 for a scalar)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def repetition_product(pattern: str) -> int:
+    """The largest product of counted-repetition bounds (``{n}``, ``{m,n}``; ``{m,}`` counts m)
+    along any path of nested groups in ``pattern``; 1 without any."""
+    groups: list[tuple[int, int]] = []  # (open, close) positions
+    quantifiers: list[tuple[int, int]] = []  # (position, bound) of each counted repetition
+    opened: list[int] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # a class: up to its closing bracket (a leading ] is a member)
+            i += 2 if pattern[i + 1 : i + 2] == "]" else 1
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif c == "(":
+            opened.append(i)
+        elif c == ")" and opened:
+            groups.append((opened.pop(), i))
+        elif c == "{" and (m := _COUNTED.match(pattern, i)):
+            low, upper = int(m.group(1)), m.group(3)
+            quantifiers.append((i, int(upper) if upper else low))
+            i = m.end()
+            continue
+        i += 1
+    bound_after = dict(quantifiers)  # a group's repetition is the quantifier right after its ")"
+    product = 1
+    for position, bound in quantifiers:
+        for start, end in groups:
+            if start < position < end:
+                bound *= max(bound_after.get(end + 1, 1), 1)
+        product = max(product, bound)
+    return product

@@ -1,0 +1,90 @@
+"""Grammar bounds (``shared.engine.grammar.limits``): what would stall the engine for everyone is
+refused at ``grammar_spec``, naming the bound, and ordinary grammars pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.engine import Engine
+from shared.engine.engine_config import EngineConfig
+from shared.engine.grammar.limits import MAX_REPETITION, json_depth, repetition_product
+from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import SchedulerConfig
+from tests.engine.tiny import tiny_model
+
+
+@pytest.mark.parametrize(("pattern", "copies"), [
+    (r"(a{1,99}){1,99}", 99 * 99),
+    (r"\d{1,3}(\.\d{1,3}){3}", 9),
+    (r"((a{2}){3}){4}", 24),
+    (r"(ab|cd){1,8}x{2}", 8),
+    (r"a{5,}", 5),
+    (r"[{]{3}", 3),  # a brace inside a class is a member
+    (r"\{5}", 1),  # an escaped brace is a character
+    (r"(a+)*b?", 1),  # loops, not copies
+])
+def test_repetition_product_multiplies_counted_bounds_along_their_nesting(pattern, copies):
+    assert repetition_product(pattern) == copies
+
+
+def test_json_depth_counts_objects_and_arrays_but_not_brackets_in_strings():
+    assert json_depth('{"a": [1, {"b": "[[[{{"}], "c": "\\"]"}') == 3
+    assert json_depth("7") == 0
+
+
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(("response_format", "words"), [
+    ({"type": "regex", "regex": "(a{1,99}){1,99}"}, f"more than {MAX_REPETITION}"),
+    ({"type": "json_schema", "schema": deep_schema(350)}, "nests"),  # 700 levels: 12.8 s to validate
+    ({"type": "ebnf", "ebnf": 'root ::= "' + "a" * 70_000 + '"'}, "characters exceeds"),
+], ids=["nested-repeat", "deep-schema", "long-ebnf"])
+def test_a_grammar_past_its_bounds_is_refused_naming_the_bound(response_format, words):
+    with pytest.raises(ValueError, match=words):
+        grammar_spec(response_format)
+
+
+def test_ordinary_grammars_pass():
+    assert grammar_spec({"type": "skills", "skills": list(FLEET_SKILLS)}) is not None
+    assert grammar_spec({"type": "regex", "regex": r"\d{1,3}(\.\d{1,3}){3}"}) is not None
+    assert grammar_spec({"type": "json_schema", "schema": deep_schema(10)}) is not None
+
+
+class _Spy:
+    def __init__(self, wrapped):
+        self.wrapped, self.calls = wrapped, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.wrapped(*args, **kwargs)
+
+
+def test_a_refused_request_compiles_no_grammar(tokenizer):
+    """Found in review: grammars of requests then refused were still compiled, on the one
+    compile thread every constrained request waits for."""
+    engine = Engine(tiny_model(vocab_size=tokenizer.vocab_size), tokenizer,
+                    EngineConfig(block_size=4, num_blocks=64, scheduler=SchedulerConfig(max_model_len=16)))
+    spy = engine.grammar_compiler.compile_async = _Spy(engine.grammar_compiler.compile_async)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.submit(list(range(1, 40)), SamplingParams(), response_format={"type": "json_object"})
+    assert spy.calls == 0
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=2), response_format={"type": "json_object"})
+    assert spy.calls == 1
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, monkeypatch):
+    """Found in review: a 737 KB prompt was tokenized on the engine's thread (0.33 s each)
+    before the length check refused it."""
+    engine = Engine(tiny_model(vocab_size=tokenizer.vocab_size), tokenizer,
+                    EngineConfig(block_size=4, num_blocks=64, scheduler=SchedulerConfig(max_model_len=64)))
+    spy = _Spy(tokenizer.encode_chat)
+    monkeypatch.setattr(tokenizer, "encode_chat", spy)  # the tokenizer is the session's
+    with pytest.raises(ValueError, match="characters cannot fit"):
+        engine.submit([{"role": "user", "content": "x" * 737_000}])
+    assert spy.calls == 0
