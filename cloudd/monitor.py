@@ -110,22 +110,23 @@ class _RobotSummary:
 
 class FleetMonitor:
     def __init__(self, model: str, policy: str, window: int = 1000, throughput_window_s: float = 10.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, max_robots: int = 1024):
+        """Per-robot summaries are kept for the ``max_robots`` robots seen last (least recently
+        seen dropped first), so the stats reply stays small whoever sends what robot ids."""
         self.model = model
+        self.max_robots = max_robots
         self.policy = policy
         self.clock = clock
         self.started = clock()
         self.throughput_window_s = throughput_window_s
         self.recent: deque[RequestRecord] = deque(maxlen=window)
-        self.robots: dict[str, _RobotSummary] = {}
+        self.robots: dict[str, _RobotSummary] = {}  # least recently seen first
         self.totals: Counter[str] = Counter()
         self._token_events: deque[tuple[float, int]] = deque()  # (when, output tokens) for throughput
 
     def on_submit(self, robot_id: str) -> None:
         self.totals["requests"] += 1
-        summary = self.robots.setdefault(robot_id, _RobotSummary())
-        summary.requests += 1
-        summary.last_seen = self.clock()
+        self._seen(robot_id).requests += 1
 
     def on_reject(self) -> None:
         self.totals["rejected"] += 1
@@ -139,9 +140,16 @@ class FleetMonitor:
         reason = record.finish_reason
         self.totals["completed" if reason in ("stop", "length") else "cancelled" if reason == "abort" else reason] += 1
         self.totals["output_tokens"] += record.output_tokens
-        summary = self.robots.setdefault(record.robot_id, _RobotSummary())
-        summary.output_tokens += record.output_tokens
+        self._seen(record.robot_id).output_tokens += record.output_tokens
+
+    def _seen(self, robot_id: str) -> _RobotSummary:
+        """The robot's summary, now its most recently seen (one is dropped past max_robots)."""
+        summary = self.robots.pop(robot_id, None) or _RobotSummary()
         summary.last_seen = self.clock()
+        self.robots[robot_id] = summary
+        if len(self.robots) > self.max_robots:
+            del self.robots[next(iter(self.robots))]
+        return summary
 
     def snapshot(self, engine: EngineStats, live: Iterable[Request], draining: bool, engine_now: float) -> dict:
         """``live``: the engine's unfinished requests; ``engine_now``: the engine clock's time."""

@@ -1,8 +1,8 @@
 """edged's link to cloudd: one DEALER (CURVE-encrypted with the robot's key when configured),
 heartbeats while escalations wait, and a circuit breaker.
 
-An escalation is sent under ``<robot_id>/<request_id>`` (ids are only unique per robot) with
-the deadline that is left. Link failures (the cloud silent past ``link_timeout_s``, a refused
+An escalation is sent under ``<robot_id>/<request_id>`` (ids are only unique per robot; see
+``escalated_id``) with the deadline that is left. Link failures (the cloud silent past ``link_timeout_s``, a refused
 CURVE key, an internal error) count against the breaker; answers the cloud gives on purpose
 (deadline, rejected, invalid request) do not, but still end the escalation. Callbacks run on
 a waiter thread per escalation.
@@ -10,17 +10,28 @@ a waiter thread per escalation.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import replace
 
 from edged.circuit import CircuitBreaker
 from edged.escalation import EscalationConfig
-from shared.protocol.messages import Error, ErrorCode, Escalation, Generate, Result
+from shared.protocol.messages import MAX_REQUEST_ID_CHARS, Error, ErrorCode, Escalation, Generate, Result
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve
 
 LINK_FAILURES = (ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL)
+
+
+def escalated_id(robot_id: str, request_id: str) -> str:
+    """The id of a robot's request at cloudd: ``robot/request`` (ids are the robots' own, so
+    two robots' may collide), the request id's digest instead when that is too long for the
+    protocol. The same request always gets the same id: a retry stays a retry."""
+    cloud_id = f"{robot_id}/{request_id}"
+    if len(cloud_id) <= MAX_REQUEST_ID_CHARS:
+        return cloud_id
+    return f"{robot_id}/~{hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()}"
 
 
 class CloudLink:
@@ -39,7 +50,7 @@ class CloudLink:
 
     def submit(self, msg: Generate, robot_id: str, deadline_ms: int | None,
                on_result: Callable[[Result], None], on_error: Callable[[Error], None]) -> None:
-        cloud_id = f"{robot_id}/{msg.request_id}"
+        cloud_id = escalated_id(robot_id, msg.request_id)
         call = self.client.start(replace(msg, request_id=cloud_id, robot_id=robot_id, deadline_ms=deadline_ms,
                                          escalation=Escalation.AUTO, stream=False, resume_from=0))
         with self._lock:

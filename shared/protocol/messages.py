@@ -18,6 +18,11 @@ PROTOCOL_VERSION = 1
 # consumer holds them, and an edge that forwards them can always encode them again.
 WIRE_INT_LIMIT = 2**31
 SEED_LIMIT = 2**63  # a seed: any non-negative int64
+# Client strings a daemon keeps (ledger, per-robot stats, metric labels) are bounded.
+MAX_REQUEST_ID_CHARS = 256
+MAX_ROBOT_ID_CHARS = 64
+MAX_TAGS = 16
+MAX_TAG_CHARS = 64
 
 
 def _check_range(name: str, value: int, low: int, limit: int = WIRE_INT_LIMIT) -> None:
@@ -119,8 +124,12 @@ class Generate:
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.prompt_ids):
             raise ValueError("give exactly one of messages and prompt_ids")
-        if not self.request_id:
-            raise ValueError("request_id must not be empty")
+        if not 0 < len(self.request_id) <= MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(self.request_id)}")
+        if len(self.robot_id) > MAX_ROBOT_ID_CHARS:
+            raise ValueError(f"robot_id must be at most {MAX_ROBOT_ID_CHARS} characters, got {len(self.robot_id)}")
+        if len(self.tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS for t in self.tags):
+            raise ValueError(f"tags: at most {MAX_TAGS}, of at most {MAX_TAG_CHARS} characters each")
         if self.deadline_ms is not None:
             _check_range("deadline_ms", self.deadline_ms, 1)
         _check_range("resume_from", self.resume_from, 0)

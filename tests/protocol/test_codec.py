@@ -177,3 +177,15 @@ def test_a_wire_integer_out_of_range_is_a_bad_message():
 def test_a_value_msgpack_cannot_carry_is_a_value_error_from_encode():
     with pytest.raises(ValueError, match="cannot be encoded"):
         encode(Generate(request_id="a", prompt_ids=(1,), response_format={"type": "json_object", "x": 2**70}))
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: Generate(request_id="r" * 257, prompt_ids=(1,)), "request_id"),
+    (lambda: Generate(request_id="a", prompt_ids=(1,), robot_id="x" * 500_000), "robot_id"),
+    (lambda: Generate(request_id="a", prompt_ids=(1,), tags=("t",) * 17), "tags"),
+    (lambda: Generate(request_id="a", prompt_ids=(1,), tags=("t" * 65,)), "tags"),
+])
+def test_client_strings_a_daemon_keeps_are_bounded(build, field):
+    """Found in review: a 500 KB robot_id grew /metrics to 28.5 MB, and tags were kept whole."""
+    with pytest.raises(ValueError, match=field):
+        build()
