@@ -19,6 +19,7 @@ are rejected, running ones get ``shutdown_grace_s`` to finish, the rest are canc
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -50,6 +51,16 @@ from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` exposes nothing beyond this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve anywhere
+        return False
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,12 @@ class ServeConfig:
             raise ValueError("http_timeout_s > 0, http_max_connections >= 1, stall_after_s > 0")
         if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
             raise ValueError("curve_secret_key and curve_authorized_dir go together")
+        if not self.curve_secret_key and not is_loopback(self.zmq_host):
+            raise ValueError(f"zmq_host {self.zmq_host!r} is not loopback: set curve_secret_key and "
+                             "curve_authorized_dir, so that only the fleet's keys get in")
+        if not is_loopback(self.http_host):
+            raise ValueError(f"http_host {self.http_host!r} is not loopback: the HTTP API has no client "
+                             "authentication, so it serves loopback only (put a proxy that authenticates in front)")
 
 
 class CloudServer:

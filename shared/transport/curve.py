@@ -85,8 +85,10 @@ class ServerCurve:
 
 
 def create_keys(directory: Path | str, name: str) -> tuple[Path, Path]:
-    """A new key pair ``<directory>/<name>.key`` (public) and ``.key_secret``; returns both paths."""
+    """A new key pair ``<directory>/<name>.key`` (public) and ``.key_secret`` (readable by its
+    owner only: 0600); returns both paths."""
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(str(directory), name)
+    Path(secret).chmod(0o600)
     return Path(public), Path(secret)

@@ -1,0 +1,37 @@
+"""cloudd opens no door it cannot guard: ZeroMQ beyond loopback only with CURVE, the HTTP API
+(no client authentication yet) on loopback only; secret keys readable by their owner only."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from cloudd.server import ServeConfig, is_loopback
+from shared.transport.curve import create_keys
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.9", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("192.168.1.7", False), ("::", False), ("cloudd.example", False),
+])
+def test_loopback_hosts(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_zeromq_beyond_loopback_needs_curve():
+    with pytest.raises(ValueError, match="curve_secret_key"):
+        ServeConfig(zmq_host="0.0.0.0")
+    ServeConfig(zmq_host="0.0.0.0", curve_secret_key="server.key_secret", curve_authorized_dir="robots")
+
+
+def test_the_http_api_serves_loopback_only():
+    with pytest.raises(ValueError, match="http_host"):
+        ServeConfig(http_host="0.0.0.0", curve_secret_key="server.key_secret", curve_authorized_dir="robots")
+
+
+def test_secret_keys_are_private_to_their_owner(tmp_path):
+    """Found in review: create_keys wrote secret keys world-readable."""
+    public, secret = create_keys(tmp_path, "amr-001")
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert public.exists()
