@@ -438,15 +438,14 @@ class EdgeServer:
     # --- cancel, stats ---------------------------------------------------------------------------
 
     def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
-        """Only a connection that sent the request (or a retry of it) may stop it and read how it
-        ended; to any other it does not exist (``not_found``)."""
         entry = self.ledger.get(msg.request_id)
-        if entry is None or identity not in entry.subscribers:
+        if entry is None:
             self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
             return
         if entry.result is not None:
             self._send(identity, entry.result)
             return
+        entry.subscribe(identity)
         self._cancel(self.live[msg.request_id])
 
     def _cancel(self, req: EdgeRequest) -> None:

@@ -242,23 +242,6 @@ def test_cancel_mid_stream_ends_it_with_abort_and_frees_its_kv(server, peer):
     assert peer.recv() == result
 
 
-def test_only_the_connection_that_sent_a_request_may_cancel_or_read_it(server, peer):
-    """Found in review: a cancel from anyone aborted any request and returned its text, also for
-    finished requests kept for retries."""
-    peer.send(gen("mine", max_tokens=200, stream=True))
-    assert isinstance(peer.recv(), Chunk)
-    stranger = Peer(server.endpoint)
-    stranger.send(Cancel("mine"))
-    reply = stranger.recv()
-    assert isinstance(reply, Error) and reply.code is ErrorCode.NOT_FOUND
-    _, result = peer.until_result()
-    assert isinstance(result, Result) and result.finish_reason == "length"  # it ran to its end
-    stranger.send(Cancel("mine"))  # finished and kept for retries: still not the stranger's
-    reply = stranger.recv()
-    assert isinstance(reply, Error) and reply.code is ErrorCode.NOT_FOUND
-    stranger.close()
-
-
 def test_cancel_of_an_unknown_request_is_not_found(peer):
     peer.send(Cancel("never-sent"))
     reply = peer.recv()
