@@ -250,3 +250,10 @@ class FleetMonitor:
             "output_tokens": req.num_output_tokens,
             "age_s": engine_now - req.arrival_time,
         }
+
+
+def robot_view(snapshot: dict, robot_id: str) -> dict:
+    """A ``snapshot`` as one robot may see it: the fleet's aggregates, and of the per-robot and
+    per-request rows only its own (no other robot's ids or request ids)."""
+    mine = {key: [row for row in snapshot[key] if row["robot_id"] == robot_id] for key in ("robots", "running", "recent")}
+    return {**snapshot, **mine}

@@ -23,12 +23,12 @@ import ipaddress
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
 from cloudd.metrics import ServerMetrics
-from cloudd.monitor import FleetMonitor, RequestRecord
+from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
 from shared.engine.engine import DeadlineUnmeetable, Engine, TokenDelta
 from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ from shared.protocol.messages import (
     Stats,
     Usage,
 )
-from shared.transport.curve import ClientCurve, ServerCurve
+from shared.transport.curve import OPERATOR, Caller, ClientCurve, ServerCurve
 from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.router import incoming, router_socket, send_nowait
 
@@ -85,6 +85,8 @@ class ServeConfig:
     # curve_authorized_dir (see shared.transport.curve); both empty = plain TCP on loopback.
     curve_secret_key: str = ""
     curve_authorized_dir: str = ""
+    # With CURVE: the public keys of operators (fleetctl): they see and stop every robot's requests
+    curve_operator_dir: str = ""
 
     def __post_init__(self) -> None:
         for name in ("zmq_port", "http_port"):
@@ -96,6 +98,8 @@ class ServeConfig:
             raise ValueError("http_timeout_s > 0, http_max_connections >= 1, stall_after_s > 0")
         if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
             raise ValueError("curve_secret_key and curve_authorized_dir go together")
+        if self.curve_operator_dir and not self.curve_secret_key:
+            raise ValueError("curve_operator_dir needs CURVE on (curve_secret_key, curve_authorized_dir)")
         if not self.curve_secret_key and not is_loopback(self.zmq_host):
             raise ValueError(f"zmq_host {self.zmq_host!r} is not loopback: set curve_secret_key and "
                              "curve_authorized_dir, so that only the fleet's keys get in")
@@ -121,7 +125,8 @@ class CloudServer:
         self.curve: ServerCurve | None = None
         self.local_curve: ClientCurve | None = None  # what a client in this process connects with
         if config.curve_secret_key:
-            self.curve = ServerCurve(self.context, config.curve_secret_key, config.curve_authorized_dir)
+            self.curve = ServerCurve(self.context, config.curve_secret_key, config.curve_authorized_dir,
+                                     config.curve_operator_dir or None)
             self.curve.apply(self.socket)
             self.local_curve = self.curve.local_client()
         self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
@@ -214,13 +219,13 @@ class CloudServer:
 
     def _triage(self) -> None:
         """Read waiting client messages: answer bad ones and health here, pass the rest on."""
-        for identity, payload, msg in incoming(self.socket):
+        for identity, user_id, payload, msg in incoming(self.socket):
             if isinstance(msg, Error):
                 self._send_now(identity, encode(msg))
             elif isinstance(msg, Health):
                 self._send_now(identity, encode(Health(self.health())))
             else:
-                self._front_pipe.send_multipart([identity, payload])
+                self._front_pipe.send_multipart([identity, (user_id or "").encode(), payload])
 
     def health(self) -> str:
         """``draining`` once stopping; ``stalled`` while one engine turn (reading requests, a
@@ -241,11 +246,12 @@ class CloudServer:
         """Engine thread: handle the messages the front thread passed on (all decodable)."""
         for _ in range(limit):
             try:
-                identity, payload = self._engine_pipe.recv_multipart(zmq.NOBLOCK)
+                identity, user_id, payload = self._engine_pipe.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                self._handle(identity, decode(payload))
+                caller = self.curve.identify(user_id.decode() or None) if self.curve is not None else OPERATOR
+                self._handle(identity, caller, decode(payload))
             except ProtocolError as e:
                 self._send(identity, Error(e.code, e.message, e.request_id))
             except Exception as e:  # a bug must not take the fleet's server down
@@ -265,13 +271,20 @@ class CloudServer:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _handle(self, identity: bytes, msg: Message) -> None:
+    def _handle(self, identity: bytes, caller: Caller, msg: Message) -> None:
+        """With CURVE on, a robot acts as itself: its requests carry its key's name as
+        ``robot_id`` whatever they claim (its fairness share and metrics are its own), it may
+        cancel only its own requests (another robot's do not exist for it: ``not_found``), and
+        its ``stats`` show only its own requests. Operators see and stop everything."""
         if isinstance(msg, Generate):
+            if caller.robot is not None:
+                msg = replace(msg, robot_id=caller.robot)
             self._on_generate(identity, msg)
         elif isinstance(msg, Cancel):
-            self._on_cancel(identity, msg)
+            self._on_cancel(identity, caller, msg)
         elif isinstance(msg, Stats):
-            self._send(identity, Stats(self.snapshot()))
+            snapshot = self.snapshot()
+            self._send(identity, Stats(snapshot if caller.robot is None else robot_view(snapshot, caller.robot)))
         else:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.TYPE!r} is a reply, not a request",
                                 getattr(msg, "request_id", None))
@@ -316,9 +329,9 @@ class CloudServer:
         self.metrics.on_reject(msg.priority.value, error.code.value)
         self._send(identity, error)
 
-    def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
+    def _on_cancel(self, identity: bytes, caller: Caller, msg: Cancel) -> None:
         entry = self.ledger.get(msg.request_id)
-        if entry is None:
+        if entry is None or (caller.robot is not None and entry.robot_id != caller.robot):
             self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
             return
         if entry.result is None:

@@ -203,7 +203,7 @@ class EdgeServer:
         return max(0, min(100, int((min(timers) - time.monotonic()) * 1000) + 1))
 
     def _read_all(self) -> None:
-        for identity, _, msg in incoming(self.socket):
+        for identity, _, _, msg in incoming(self.socket):
             try:
                 if isinstance(msg, Error):
                     self._send(identity, msg)

@@ -4,6 +4,12 @@ Keys are ZeroMQ certificate files (``zmq.auth.create_certificates``): ``<name>.k
 public key, ``<name>.key_secret`` both. cloudd has a server key pair and a directory of the
 robots' public keys it accepts; each robot has its own key pair and cloudd's public key. A
 robot whose key is not in that directory fails the handshake and never reaches the daemon.
+
+A key is an identity: a robot is the name of its key file in that directory (``amr-001.key``
+is robot ``amr-001``), and ZeroMQ tags each message with the key that sent it (its ZAP
+User-Id), so the daemon knows who asks (``ServerCurve.identify``). Operators (fleetctl) have
+their keys in a directory of their own. Messages with no key come from inside the daemon's
+process (``inproc`` skips CURVE): its own HTTP front, trusted as an operator.
 """
 
 from __future__ import annotations
@@ -14,6 +20,18 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a message: a robot (the name of its key), or an operator (``robot`` None: an
+    operator's key, the daemon's own process, or anyone when CURVE is off and the daemon is on
+    loopback only)."""
+
+    robot: str | None = None
+
+
+OPERATOR = Caller()
 
 
 @dataclass(frozen=True)
@@ -46,15 +64,15 @@ class ServerCurve:
     turned away.
     """
 
-    def __init__(self, context: zmq.Context, server_secret_file: Path | str, authorized_dir: Path | str):
+    def __init__(self, context: zmq.Context, server_secret_file: Path | str, authorized_dir: Path | str,
+                 operator_dir: Path | str | None = None):
         public, secret = zmq.auth.load_certificate(Path(server_secret_file).expanduser())
         if secret is None:
             raise ValueError(f"{server_secret_file}: no secret key in it (use the .key_secret file)")
-        authorized = Path(authorized_dir).expanduser()
-        if not authorized.is_dir():
-            raise ValueError(f"{authorized}: no such directory of authorized robot keys")
         self.public, self._secret = public, secret
-        self._allowed = set(zmq.auth.load_certificates(str(authorized)).keys())
+        self._robots = _public_keys(authorized_dir, "authorized robot keys")  # z85 key -> robot name
+        self._operators = set(_public_keys(operator_dir, "operator keys")) if operator_dir else set()
+        self._allowed = set(self._robots) | self._operators
         self.refused = 0
         self._auth = ThreadAuthenticator(context)
         self._auth.start()
@@ -65,6 +83,14 @@ class ServerCurve:
         ok = key in self._allowed
         self.refused += not ok
         return ok
+
+    def identify(self, user_id: str | None) -> Caller:
+        """The caller behind a message's ZAP User-Id (the z85 key; None: no key, from inside
+        this process). Keys authorized at run time (``local_client``) are operators."""
+        if user_id is None:
+            return OPERATOR
+        robot = self._robots.get(user_id.encode())
+        return Caller(robot) if robot is not None else OPERATOR
 
     def authorize(self, public: bytes) -> None:
         self._allowed.add(public)
@@ -82,6 +108,18 @@ class ServerCurve:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+def _public_keys(directory: Path | str, what: str) -> dict[bytes, str]:
+    """z85 public key -> name (the file's stem) of every ``*.key`` in ``directory``."""
+    folder = Path(directory).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: no such directory of {what}")
+    keys = {}
+    for path in sorted(folder.glob("*.key")):
+        public, _ = zmq.auth.load_certificate(path)
+        keys[public] = path.stem
+    return keys
 
 
 def create_keys(directory: Path | str, name: str) -> tuple[Path, Path]:

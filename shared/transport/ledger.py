@@ -26,6 +26,7 @@ class LedgerEntry:
 
     fingerprint: bytes  # digest of the request's fingerprint(): what a retry must match
     stream: bool
+    robot_id: str  # whose request it is
     subscribers: list[bytes]  # ROUTER identities to send to, oldest first
     chunks: list[Chunk] = field(default_factory=list)  # kept for resumption (streams only)
     result: Result | None = None
@@ -35,7 +36,7 @@ class LedgerEntry:
 
     @classmethod
     def of(cls, request: Generate, identity: bytes) -> LedgerEntry:
-        return cls(_digest(request), request.stream, [identity])
+        return cls(_digest(request), request.stream, request.robot_id, [identity])
 
     @property
     def next_seq(self) -> int:

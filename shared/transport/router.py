@@ -28,21 +28,30 @@ def router_socket(context: zmq.Context) -> zmq.Socket:
     return socket
 
 
-def incoming(socket: zmq.Socket, limit: int = 1000) -> Iterator[tuple[bytes, bytes, Message | Error]]:
-    """Up to ``limit`` waiting messages as ``(identity, payload, message)``; a message that does
-    not decode (or has extra frames) comes as the ``Error`` to answer it with."""
+def incoming(socket: zmq.Socket, limit: int = 1000) -> Iterator[tuple[bytes, str | None, bytes, Message | Error]]:
+    """Up to ``limit`` waiting messages as ``(identity, user_id, payload, message)``: ``user_id``
+    is the sender's CURVE key (z85) where the connection authenticated, else None. A message
+    that does not decode (or has extra frames) comes as the ``Error`` to answer it with."""
     for _ in range(limit):
         try:
-            frames = socket.recv_multipart(zmq.NOBLOCK)
+            frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        identity, payload = frames[0], frames[-1]
+        identity, payload = frames[0].bytes, frames[-1].bytes
+        user_id = _user_id(frames[-1])
         try:
             if len(frames) != 2:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-            yield identity, payload, decode(payload)
+            yield identity, user_id, payload, decode(payload)
         except ProtocolError as e:
-            yield identity, payload, Error(e.code, e.message, e.request_id)
+            yield identity, user_id, payload, Error(e.code, e.message, e.request_id)
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:  # no authentication on this connection (plain TCP, inproc)
+        return None
 
 
 def send_nowait(socket: zmq.Socket, identity: bytes, payload: bytes) -> None:
