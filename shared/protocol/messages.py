@@ -147,6 +147,10 @@ class Cancel:
     TYPE: ClassVar[str] = "cancel"
     request_id: str
 
+    def __post_init__(self) -> None:
+        if len(self.request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(self.request_id)}")
+
 
 @dataclass(frozen=True)
 class Stats:

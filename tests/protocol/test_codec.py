@@ -181,6 +181,7 @@ def test_a_value_msgpack_cannot_carry_is_a_value_error_from_encode():
 
 @pytest.mark.parametrize(("build", "field"), [
     (lambda: Generate(request_id="r" * 257, prompt_ids=(1,)), "request_id"),
+    (lambda: Cancel(request_id="r" * 257), "request_id"),
     (lambda: Generate(request_id="a", prompt_ids=(1,), robot_id="x" * 500_000), "robot_id"),
     (lambda: Generate(request_id="a", prompt_ids=(1,), tags=("t",) * 17), "tags"),
     (lambda: Generate(request_id="a", prompt_ids=(1,), tags=("t" * 65,)), "tags"),
