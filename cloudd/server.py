@@ -82,7 +82,8 @@ class ServeConfig:
     # response_format objects (JSON files) or "fleet-plan" to compile at start-up
     precompile: tuple[str, ...] = ()
     # CURVE: both set = every connection is encrypted and must present a robot key found in
-    # curve_authorized_dir (see shared.transport.curve); both empty = plain TCP on loopback.
+    # curve_authorized_dir or an operator key in curve_operator_dir (see shared.transport.curve);
+    # both empty = plain TCP on loopback.
     curve_secret_key: str = ""
     curve_authorized_dir: str = ""
     # With CURVE: the public keys of operators (fleetctl): they see and stop every robot's requests
