@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -453,17 +454,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _protocol_error(self, error: Error) -> None:
-        self._error(_STATUS.get(error.code, HTTPStatus.INTERNAL_SERVER_ERROR), error.message, error.code.value)
+        headers = {} if error.retry_after_ms is None else {"Retry-After": str(math.ceil(error.retry_after_ms / 1000))}
+        self._error(_STATUS.get(error.code, HTTPStatus.INTERNAL_SERVER_ERROR), error.message, error.code.value, headers)
 
-    def _error(self, status: HTTPStatus, message: str, code: str) -> None:
-        self._json(status, {"error": {"message": message, "type": code, "code": code}})
+    def _error(self, status: HTTPStatus, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps({"error": {"message": message, "type": code, "code": code}}).encode(),
+                   "application/json", headers)
 
     def _json(self, status: HTTPStatus, body: dict) -> None:
         self._send(status, json.dumps(body).encode(), "application/json")
 
-    def _send(self, status: HTTPStatus, payload: bytes, content_type: str) -> None:
+    def _send(self, status: HTTPStatus, payload: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)

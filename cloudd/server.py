@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from cloudd.metrics import ServerMetrics
+from cloudd.quota import QuotaConfig, RobotQuotas
 from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
 from shared.engine.engine import DeadlineUnmeetable, Engine, TokenDelta
 from shared.engine.request import FinishReason, Request
@@ -79,6 +81,10 @@ class ServeConfig:
     http_timeout_s: float = 30.0  # an HTTP connection silent this long is closed
     stall_after_s: float = 10.0  # an engine turn running longer: health answers "stalled"
     http_max_connections: int = 256  # more open at once: the next is answered 503
+    # per-robot limits (cloudd.quota); 0 = unlimited
+    robot_requests_per_s: float = 0.0
+    robot_burst: int = 20
+    robot_tokens_per_min: float = 0.0
     # response_format objects (JSON files) or "fleet-plan" to compile at start-up
     precompile: tuple[str, ...] = ()
     # CURVE: both set = every connection is encrypted and must present a robot key found in
@@ -118,6 +124,8 @@ class CloudServer:
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
         self.monitor = FleetMonitor(model_name, engine.scheduler.policy.name)
         self.metrics = ServerMetrics(config.max_robot_labels)
+        self.quotas = RobotQuotas(QuotaConfig(config.robot_requests_per_s, config.robot_burst,
+                                              config.robot_tokens_per_min))
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._stop = threading.Event()
         self._draining = False
@@ -323,6 +331,12 @@ class CloudServer:
         queued = self.engine.scheduler
         if len(queued.waiting) + len(queued.awaiting_grammar) >= self.config.max_waiting:
             return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_waiting} requests waiting", msg.request_id)
+        if self.quotas.config.enabled and (wait := self.quotas.charge(msg.robot_id, msg.sampling.max_tokens)) > 0:
+            if math.isinf(wait):
+                return Error(ErrorCode.INVALID_REQUEST, f"quota: max_tokens {msg.sampling.max_tokens} is more than "
+                             f"robot {msg.robot_id!r} may use in a minute", msg.request_id)
+            return Error(ErrorCode.REJECTED, f"quota: robot {msg.robot_id!r} is over its rate; retry after "
+                         f"{wait:.1f} s", msg.request_id, retry_after_ms=math.ceil(wait * 1000))
         return None
 
     def _reject(self, identity: bytes, msg: Generate, error: Error) -> None:

@@ -211,6 +211,7 @@ class Error:
     code: ErrorCode
     message: str
     request_id: str | None = None
+    retry_after_ms: int | None = None  # ``rejected`` by a quota: when a retry could be admitted
 
 
 Message = Generate | Cancel | Stats | Health | Chunk | Result | Error

@@ -4,6 +4,7 @@ through the official `openai` client: `stream_options.include_usage` as OpenAI s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -31,23 +32,32 @@ PROMPT = "A robot arm picks"
 FIXED = {"temperature": 0, "extra_body": {"ignore_eos": True}}  # greedy, exactly max_tokens tokens
 
 
-@pytest.fixture(scope="module")
-def http(default_model_path) -> Iterator[tuple[str, object]]:
-    """(base URL, tokenizer) of an HTTP front end on a CloudServer running in a thread."""
-    tokenizer = build_tokenizer(read_gguf(default_model_path)[0])
+@contextlib.contextmanager
+def serve_http(tokenizer, **serve) -> Iterator[str]:
+    """The base URL of an HTTP front end on a CloudServer (``ServeConfig(**serve)``) in a thread."""
     model = tiny_model(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=256))
-    server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0), "tiny")
+    server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0, **serve), "tiny")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     client = FleetClient(server.inproc_endpoint, context=server.context)
     front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, server.metrics, "tiny"))
     threading.Thread(target=front.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{front.server_address[1]}", tokenizer
-    front.shutdown()
-    client.close()
-    server.stop()
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{front.server_address[1]}"
+    finally:
+        front.shutdown()
+        client.close()
+        server.stop()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def http(default_model_path) -> Iterator[tuple[str, object]]:
+    """(base URL, tokenizer) of an HTTP front end on a CloudServer running in a thread."""
+    tokenizer = build_tokenizer(read_gguf(default_model_path)[0])
+    with serve_http(tokenizer) as url:
+        yield url, tokenizer
 
 
 @pytest.fixture
@@ -268,3 +278,16 @@ def test_a_half_sent_request_is_dropped_after_the_timeout_and_connections_are_ca
     finally:
         front.shutdown()
         client.close()
+
+
+def test_a_robot_over_its_quota_gets_a_429_with_retry_after(http):
+    with serve_http(http[1], robot_requests_per_s=0.01, robot_burst=1) as url:
+        body = {"messages": MESSAGES, "max_tokens": 2, "robot_id": "amr-5", "temperature": 0}
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            assert resp.status == 200
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 429 and int(refused.value.headers["Retry-After"]) >= 1
+        assert "quota" in json.load(refused.value)["error"]["message"]

@@ -242,6 +242,23 @@ def test_cancel_mid_stream_ends_it_with_abort_and_frees_its_kv(server, peer):
     assert peer.recv() == result
 
 
+def test_a_robot_over_its_quota_is_rejected_with_a_retry_after():
+    with running_server(robot_requests_per_s=0.01, robot_burst=2) as server:
+        peer = Peer(server.endpoint)
+        for i in range(2):
+            peer.send(gen(f"q-{i}", robot_id="amr-9"))
+            assert isinstance(peer.until_result()[1], Result)
+        peer.send(gen("q-2", robot_id="amr-9"))
+        refused = peer.recv()
+        assert isinstance(refused, Error) and refused.code is ErrorCode.REJECTED and "quota" in refused.message
+        assert refused.retry_after_ms > 0
+        peer.send(gen("q-3", robot_id="amr-10"))  # another robot's quota is its own
+        assert isinstance(peer.until_result()[1], Result)
+        peer.send(gen("q-0", robot_id="amr-9"))  # a retry of an admitted request is not charged
+        assert isinstance(peer.recv(), Result)
+        peer.close()
+
+
 def test_cancel_of_an_unknown_request_is_not_found(peer):
     peer.send(Cancel("never-sent"))
     reply = peer.recv()
