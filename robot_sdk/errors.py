@@ -28,7 +28,10 @@ class DeadlineExceeded(PlanError):
 
 
 class Rejected(PlanError):
-    """The daemon refused the request for now (overload, shutdown): try later or elsewhere."""
+    """The daemon refused the request for now (overload, shutdown, the robot's quota): try later
+    or elsewhere. ``retry_after_s``: when a quota would admit it again (None: not a quota)."""
+
+    retry_after_s: float | None = None
 
 
 class Unavailable(PlanError):
@@ -62,4 +65,7 @@ _BY_CODE: dict[ErrorCode, type[PlanError]] = {
 def error_from_reply(error: Error, request_id: str | None = None) -> PlanError:
     """The exception for a daemon's ``error`` reply (``PlanError`` itself for the rest)."""
     cls = _BY_CODE.get(error.code, PlanError)
-    return cls(error.message, error.request_id or request_id, error.code)
+    exc = cls(error.message, error.request_id or request_id, error.code)
+    if isinstance(exc, Rejected) and error.retry_after_ms is not None:
+        exc.retry_after_s = error.retry_after_ms / 1000
+    return exc

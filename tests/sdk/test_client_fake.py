@@ -117,6 +117,15 @@ def test_error_replies_become_typed_errors_with_the_server_s_message(code, cls):
     assert info.value.request_id == "e-1"
 
 
+def test_a_quota_rejection_says_when_to_retry():
+    script = lambda request, attempt: [Error(ErrorCode.REJECTED, "quota", request.request_id,  # noqa: E731
+                                             retry_after_ms=2500)]
+    with FakeDaemon(script) as daemon, PlanClient(daemon.endpoint) as client:
+        with pytest.raises(Rejected) as info:
+            client.plan("Go charge.", skills=SKILLS, request_id="q-1")
+    assert info.value.retry_after_s == 2.5
+
+
 @pytest.mark.parametrize("fields, cls, words", [
     ({"finish_reason": "abort"}, Cancelled, "cancelled"),
     ({"finish_reason": "deadline", "detail": "the deadline passed"}, DeadlineExceeded, "the deadline passed"),
