@@ -160,6 +160,7 @@ def cmd_serve(args) -> int:
     http_thread.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
+    signal.signal(signal.SIGHUP, lambda *_: server.reload_keys())
     host, port = http.server_address[:2]
     dtype = engine_config.dtype_choice
     print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy} "

@@ -229,12 +229,28 @@ class CloudServer:
     def _triage(self) -> None:
         """Read waiting client messages: answer bad ones and health here, pass the rest on."""
         for identity, user_id, payload, msg in incoming(self.socket):
-            if isinstance(msg, Error):
+            if user_id is not None and self.curve is not None and not self.curve.allows(user_id):
+                self._send_now(identity, encode(Error(ErrorCode.UNAVAILABLE, "this client's CURVE key is no longer "
+                                                      "authorized", getattr(msg, "request_id", None))))
+            elif isinstance(msg, Error):
                 self._send_now(identity, encode(msg))
             elif isinstance(msg, Health):
                 self._send_now(identity, encode(Health(self.health())))
             else:
                 self._front_pipe.send_multipart([identity, (user_id or "").encode(), payload])
+
+    def reload_keys(self) -> None:
+        """Read the CURVE key directories again (SIGHUP): live streams go on; a removed key's
+        next message is refused, a new key can connect."""
+        if self.curve is None:
+            log.info("SIGHUP: CURVE is off, no keys to reload")
+            return
+        try:
+            robots, operators = self.curve.reload()
+        except (OSError, ValueError) as e:  # a directory gone, a bad key file: keep the keys in force
+            log.error("SIGHUP: keys not reloaded, the previous ones stay in force: %s", e)
+            return
+        log.info("SIGHUP: keys reloaded: %d robots, %d operators", robots, operators)
 
     def health(self) -> str:
         """``draining`` once stopping; ``stalled`` while one engine turn (reading requests, a

@@ -57,9 +57,11 @@ class ClientCurve:
 
 
 class ServerCurve:
-    """Makes server sockets CURVE-only, admitting the public keys in ``authorized_dir`` (read
-    at start) plus those added with ``authorize`` (e.g. an in-process client's own key).
+    """Makes server sockets CURVE-only, admitting the public keys in ``authorized_dir`` and
+    ``operator_dir`` plus those added with ``authorize`` (e.g. an in-process client's own key).
 
+    ``reload()`` reads the directories again (a daemon does on SIGHUP): connections stay, new
+    handshakes see the new keys, and a removed key's next message is refused (``allows``).
     One ZAP authenticator thread per context; ``stop()`` ends it. ``refused`` counts handshakes
     turned away.
     """
@@ -70,9 +72,9 @@ class ServerCurve:
         if secret is None:
             raise ValueError(f"{server_secret_file}: no secret key in it (use the .key_secret file)")
         self.public, self._secret = public, secret
-        self._robots = _public_keys(authorized_dir, "authorized robot keys")  # z85 key -> robot name
-        self._operators = set(_public_keys(operator_dir, "operator keys")) if operator_dir else set()
-        self._allowed = set(self._robots) | self._operators
+        self._dirs = (authorized_dir, operator_dir)
+        self._runtime: set[bytes] = set()  # keys authorized in this process
+        self.reload()
         self.refused = 0
         self._auth = ThreadAuthenticator(context)
         self._auth.start()
@@ -84,6 +86,20 @@ class ServerCurve:
         self.refused += not ok
         return ok
 
+    def reload(self) -> tuple[int, int]:
+        """Read the key directories again; returns (robot keys, operator keys) now admitted.
+        The key sets are swapped whole, so a reader on another thread sees the old or the new."""
+        authorized_dir, operator_dir = self._dirs
+        robots = _public_keys(authorized_dir, "authorized robot keys")  # z85 key -> robot name
+        operators = set(_public_keys(operator_dir, "operator keys")) if operator_dir else set()
+        self._robots, self._operators = robots, operators
+        self._allowed = set(robots) | operators | self._runtime
+        return len(robots), len(operators)
+
+    def allows(self, user_id: str) -> bool:
+        """Whether the key behind a message's User-Id is (still) admitted."""
+        return user_id.encode() in self._allowed
+
     def identify(self, user_id: str | None) -> Caller:
         """The caller behind a message's ZAP User-Id (the z85 key; None: no key, from inside
         this process). Keys authorized at run time (``local_client``) are operators."""
@@ -93,7 +109,8 @@ class ServerCurve:
         return Caller(robot) if robot is not None else OPERATOR
 
     def authorize(self, public: bytes) -> None:
-        self._allowed.add(public)
+        self._runtime.add(public)
+        self._allowed = self._allowed | {public}
 
     def local_client(self) -> ClientCurve:
         """A fresh key pair, authorized, for a client in this process."""

@@ -4,12 +4,14 @@ Real CURVE over loopback TCP, cloudd in a thread with the tiny model."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
@@ -23,11 +25,10 @@ from tests.engine.tiny import tiny_model
 ROBOTS = ("amr-001", "amr-002")
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory) -> Iterator[tuple[CloudServer, Path]]:
+@contextlib.contextmanager
+def running_fleet(root: Path) -> Iterator[tuple[CloudServer, Path]]:
     """(server, key directory): robots' public keys in robots/, the operator's in operators/,
     every secret key in secrets/."""
-    root = tmp_path_factory.mktemp("keys")
     for folder, names in (("robots", ROBOTS), ("operators", ("ops",)), ("server", ("cloudd",))):
         (root / folder).mkdir()
         for name in names:
@@ -35,14 +36,24 @@ def fleet(tmp_path_factory) -> Iterator[tuple[CloudServer, Path]]:
             shutil.copy(public, root / folder)
     engine = Engine(tiny_model(tie_word_embeddings=False), None, EngineConfig(block_size=4, num_blocks=512),
                     policy=FleetPolicy())
+    # NOTE: a context of its own: one ZAP authenticator per context, and another fleet may be up
     server = CloudServer(engine, ServeConfig(
         zmq_port=0, curve_secret_key=str(root / "secrets" / "cloudd.key_secret"),
-        curve_authorized_dir=str(root / "robots"), curve_operator_dir=str(root / "operators")), "tiny")
+        curve_authorized_dir=str(root / "robots"), curve_operator_dir=str(root / "operators")), "tiny",
+        context=zmq.Context())
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield server, root
-    server.stop()
-    thread.join(timeout=10)
+    try:
+        yield server, root
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[tuple[CloudServer, Path]]:
+    with running_fleet(tmp_path_factory.mktemp("keys")) as running:
+        yield running
 
 
 def client(fleet, name: str) -> FleetClient:
@@ -89,3 +100,21 @@ def test_an_operator_stops_any_robot_s_request(fleet):
         events = robot.stream(gen("long-002", 5000, stream=True), timeout_s=30)
         assert isinstance(next(events), Chunk)
         assert ops.cancel("long-002").finish_reason == "abort"
+
+
+def test_reloaded_keys_admit_a_new_robot_and_refuse_a_removed_one_without_dropping_streams(tmp_path):
+    with running_fleet(tmp_path) as fleet:
+        server, root = fleet
+        with client(fleet, "amr-001") as leaving:
+            events = leaving.stream(gen("long-003", 5000, stream=True), timeout_s=30)
+            assert isinstance(next(events), Chunk)
+            (root / "robots" / "amr-001.key").unlink()
+            public, _ = create_keys(root / "secrets", "amr-003")
+            shutil.copy(public, root / "robots")
+            server.reload_keys()
+            assert isinstance(next(events), Chunk)  # its stream goes on
+            with pytest.raises(RequestFailed) as refused:
+                leaving.stats()
+            assert refused.value.code is ErrorCode.UNAVAILABLE and "no longer authorized" in refused.value.error.message
+        with client(fleet, "amr-003") as joining:
+            assert joining.generate(gen("new-1", 2), timeout_s=30).finish_reason == "length"

@@ -53,6 +53,13 @@ def test_the_ready_line_says_how_the_engine_started(daemon):
     assert float(daemon.fields["warm_up"].removesuffix("s")) > 0  # a full step ran before the first request
 
 
+def test_sighup_reloads_keys_and_the_daemon_keeps_serving(daemon, client):
+    """SIGHUP is the key-rotation signal: it must not end the daemon (its default action)."""
+    daemon.proc.send_signal(signal.SIGHUP)
+    assert client.health(timeout_s=30) == "ok"
+    assert daemon.proc.poll() is None
+
+
 def test_generate_returns_the_model_s_greedy_text(client):
     first = client.generate(plan("gen-1"), timeout_s=120)
     again = client.generate(plan("gen-2"), timeout_s=120)
