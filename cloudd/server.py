@@ -297,12 +297,16 @@ class CloudServer:
     # --- requests ----------------------------------------------------------------------------
 
     def _handle(self, identity: bytes, caller: Caller, msg: Message) -> None:
-        """With CURVE on, a robot acts as itself: its requests carry its key's name as
+        """With CURVE on, a robot acts as itself: its request ids start with its key's name and
+        "/" (no robot can take an id another robot will use), its requests carry that name as
         ``robot_id`` whatever they claim (its fairness share and metrics are its own), it may
         cancel only its own requests (another robot's do not exist for it: ``not_found``), and
         its ``stats`` show only its own requests. Operators see and stop everything."""
         if isinstance(msg, Generate):
             if caller.robot is not None:
+                if not msg.request_id.startswith(caller.robot + "/"):
+                    raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r}: robot "
+                                        f"{caller.robot!r}'s request ids start with '{caller.robot}/'", msg.request_id)
                 msg = replace(msg, robot_id=caller.robot)
             self._on_generate(identity, msg)
         elif isinstance(msg, Cancel):

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 class EdgeServeConfig:
     """The ``[serve]`` table of edged's config."""
 
-    robot_id: str = "robot"  # stamped on escalations whose request names no robot
+    robot_id: str = "robot"  # this robot: escalations go to cloudd as it (with CURVE, its key's name)
     # ipc:// for processes on the robot, tcp:// on loopback (port 0 picks a free one)
     endpoints: tuple[str, ...] = ("ipc:///tmp/fleetserve-edged.sock", "tcp://127.0.0.1:5556")
     max_queue: int = 64  # local jobs waiting beyond this: new requests are rejected
@@ -327,7 +327,7 @@ class EdgeServer:
             remaining_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
             rid = req.msg.request_id
             self.cloud.submit(
-                req.msg, robot_id=req.msg.robot_id or self.config.robot_id, deadline_ms=remaining_ms,
+                req.msg, robot_id=self.config.robot_id, deadline_ms=remaining_ms,
                 on_result=lambda result: self.post(lambda: self._on_cloud_result(rid, result)),
                 on_error=lambda error: self.post(lambda: self._on_cloud_error(rid, error)),
             )

@@ -171,7 +171,9 @@ class PlanClient:
             raise Unavailable(str(e)) from None
 
     def new_request_id(self) -> str:
-        return f"{self.robot_id or 'sdk'}-{uuid.uuid4().hex[:16]}"
+        """A fresh id, ``<robot_id>/<16 hex digits>``: with CURVE, cloudd takes only request ids
+        that start with the robot's key name and "/"."""
+        return f"{self.robot_id or 'sdk'}/{uuid.uuid4().hex[:16]}"
 
     def close(self) -> None:
         self._link.close()

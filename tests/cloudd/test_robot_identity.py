@@ -69,9 +69,18 @@ def gen(request_id: str, max_tokens: int, robot_id: str = "", stream: bool = Fal
 
 def test_a_robot_cannot_claim_another_robot_s_id(fleet):
     with client(fleet, "amr-002") as robot, client(fleet, "ops") as ops:
-        robot.generate(gen("claims-001", 2, robot_id="amr-001"), timeout_s=30)
-        (row,) = [r for r in ops.stats()["recent"] if r["request_id"] == "claims-001"]
+        robot.generate(gen("amr-002/claims-001", 2, robot_id="amr-001"), timeout_s=30)
+        (row,) = [r for r in ops.stats()["recent"] if r["request_id"] == "amr-002/claims-001"]
         assert row["robot_id"] == "amr-002"
+
+
+@pytest.mark.parametrize("request_id", ["plan-7", "amr-001/plan-7", "amr-0021/plan-7"])
+def test_a_robot_s_request_ids_start_with_its_name_so_none_can_be_taken_by_another(fleet, request_id):
+    """Found in review: an id could be squatted before its robot used it."""
+    with client(fleet, "amr-002") as robot:
+        with pytest.raises(RequestFailed) as refused:
+            robot.generate(gen(request_id, 2), timeout_s=30)
+    assert refused.value.code is ErrorCode.INVALID_REQUEST and "start with 'amr-002/'" in refused.value.error.message
 
 
 def test_a_robot_can_neither_stop_nor_list_another_robot_s_request(fleet):
@@ -79,34 +88,34 @@ def test_a_robot_can_neither_stop_nor_list_another_robot_s_request(fleet):
     request."""
     with client(fleet, "amr-001") as owner, client(fleet, "amr-001") as owner_again, \
             client(fleet, "amr-002") as other, client(fleet, "ops") as ops:
-        events = owner.stream(gen("long-001", 5000, stream=True), timeout_s=30)
+        events = owner.stream(gen("amr-001/long-001", 5000, stream=True), timeout_s=30)
         assert isinstance(next(events), Chunk)  # running
         with pytest.raises(RequestFailed) as refused:
-            other.cancel("long-001")
+            other.cancel("amr-001/long-001")
         assert refused.value.code is ErrorCode.NOT_FOUND
         seen_by_other = other.stats()
         assert all(r["robot_id"] == "amr-002" for key in ("running", "recent", "robots") for r in seen_by_other[key])
         assert "long-001" not in str(seen_by_other)
-        assert any(r["request_id"] == "long-001" for r in ops.stats()["running"])
-        result = owner_again.cancel("long-001")  # its own robot, over another connection (as robot_sdk does)
+        assert any(r["request_id"] == "amr-001/long-001" for r in ops.stats()["running"])
+        result = owner_again.cancel("amr-001/long-001")  # its own robot, over another connection (as robot_sdk does)
         assert isinstance(result, Result) and result.finish_reason == "abort"
         with pytest.raises(RequestFailed) as refused:  # and the kept result is not the other robot's either
-            other.cancel("long-001")
+            other.cancel("amr-001/long-001")
         assert refused.value.code is ErrorCode.NOT_FOUND
 
 
 def test_an_operator_stops_any_robot_s_request(fleet):
     with client(fleet, "amr-002") as robot, client(fleet, "ops") as ops:
-        events = robot.stream(gen("long-002", 5000, stream=True), timeout_s=30)
+        events = robot.stream(gen("amr-002/long-002", 5000, stream=True), timeout_s=30)
         assert isinstance(next(events), Chunk)
-        assert ops.cancel("long-002").finish_reason == "abort"
+        assert ops.cancel("amr-002/long-002").finish_reason == "abort"
 
 
 def test_reloaded_keys_admit_a_new_robot_and_refuse_a_removed_one_without_dropping_streams(tmp_path):
     with running_fleet(tmp_path) as fleet:
         server, root = fleet
         with client(fleet, "amr-001") as leaving:
-            events = leaving.stream(gen("long-003", 5000, stream=True), timeout_s=30)
+            events = leaving.stream(gen("amr-001/long-003", 5000, stream=True), timeout_s=30)
             assert isinstance(next(events), Chunk)
             (root / "robots" / "amr-001.key").unlink()
             public, _ = create_keys(root / "secrets", "amr-003")
@@ -117,4 +126,4 @@ def test_reloaded_keys_admit_a_new_robot_and_refuse_a_removed_one_without_droppi
                 leaving.stats()
             assert refused.value.code is ErrorCode.UNAVAILABLE and "no longer authorized" in refused.value.error.message
         with client(fleet, "amr-003") as joining:
-            assert joining.generate(gen("new-1", 2), timeout_s=30).finish_reason == "length"
+            assert joining.generate(gen("amr-003/new-1", 2), timeout_s=30).finish_reason == "length"
