@@ -119,14 +119,35 @@ def _cmd_serve_bench(args) -> int:
     return 0
 
 
+def _reload_keys(server, api_keys) -> None:
+    """SIGHUP: the CURVE key directories and the HTTP API's key file, read again."""
+    import logging
+
+    server.reload_keys()
+    if api_keys is not None:
+        try:
+            logging.getLogger("cloudd").info("SIGHUP: %d HTTP API keys", api_keys.reload())
+        except (OSError, ValueError) as e:  # keep the keys in force
+            logging.getLogger("cloudd").error("SIGHUP: HTTP API keys not reloaded: %s", e)
+
+
+def cmd_api_key(args) -> int:
+    from cloudd.api_keys import make_key
+
+    token = make_key(args.file, args.name)
+    print(f"API key for {args.name} (shown once; {args.file} keeps only its hash):\n{token}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     import concurrent.futures
     import logging
     import signal
     import threading
 
+    from cloudd.api_keys import ApiKeys
     from cloudd.http_api import ApiContext, make_http_server
-    from cloudd.server import CloudServer, ServeConfig
+    from cloudd.server import CloudServer, ServeConfig, is_loopback
     from shared.config import load_section
     from shared.engine.engine import Engine
     from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
@@ -153,14 +174,16 @@ def cmd_serve(args) -> int:
     freeze_start_up_heap()
     server = CloudServer(engine, serve, model_name=model_path.stem)
     client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
-    http = make_http_server(serve.http_host, serve.http_port, ApiContext(client, ckpt.tokenizer, server.metrics,
-                                                                         model_path.stem),
+    api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
+    http = make_http_server(serve.http_host, serve.http_port,
+                            ApiContext(client, ckpt.tokenizer, server.metrics, model_path.stem, api_keys,
+                                       open_probes=is_loopback(serve.http_host)),
                             timeout_s=serve.http_timeout_s, max_connections=serve.http_max_connections)
     http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
     http_thread.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
-    signal.signal(signal.SIGHUP, lambda *_: server.reload_keys())
+    signal.signal(signal.SIGHUP, lambda *_: _reload_keys(server, api_keys))
     host, port = http.server_address[:2]
     dtype = engine_config.dtype_choice
     print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy} "
@@ -281,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="scheduling: fleet (classes, deadlines, fairness; default) or fcfs (a baseline)")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    api_key = sub.add_parser("api-key", help="make an HTTP API key: prints the token once, appends its hash to FILE")
+    api_key.add_argument("name", help="the key's name: requests with it are served as this robot_id")
+    api_key.add_argument("--file", required=True, help="the key file ([serve] http_api_keys)")
+    api_key.set_defaults(func=cmd_api_key)
 
     args = parser.parse_args(argv)
     try:

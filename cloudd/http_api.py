@@ -36,11 +36,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from cloudd.api_keys import ApiKeys
 from cloudd.metrics import ServerMetrics
 from shared.engine.request import stop_reason
 from shared.model.tokenizer import Tokenizer
@@ -75,10 +76,16 @@ class BodyTooLarge(BadRequest):
 
 @dataclass(frozen=True)
 class ApiContext:
+    """What the handlers share. With ``api_keys``, every route needs a bearer token of that file
+    and a request is served as the key's name (its ``robot_id``), except ``/health`` and
+    ``/metrics`` while ``open_probes`` (cloudd sets it when the API is on loopback)."""
+
     client: FleetClient
     tokenizer: Tokenizer | None
     metrics: ServerMetrics
     model_name: str
+    api_keys: ApiKeys | None = None
+    open_probes: bool = True
 
 
 def make_http_server(host: str, port: int, ctx: ApiContext, timeout_s: float = 30.0,
@@ -322,6 +329,7 @@ def _next_reply(call: Call, timeout_s: float | None) -> Reply | None:
 
 class _Handler(BaseHTTPRequestHandler):
     ctx: ApiContext
+    _key_name = ""  # the API key of the request being handled (with API keys)
     protocol_version = "HTTP/1.1"
     server_version = "cloudd"
 
@@ -332,6 +340,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
+        if not (path in ("/health", "/metrics") and self.ctx.open_probes) and self._refused():
+            return
         if path == "/health":
             try:
                 status = self.ctx.client.health(timeout_s=5)
@@ -348,6 +358,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?")[0]
+        if self._refused():
+            return
         if path not in ("/v1/chat/completions", "/v1/completions"):
             self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found")
             return
@@ -362,6 +374,8 @@ class _Handler(BaseHTTPRequestHandler):
         except BadRequest as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e), "invalid_request")
             return
+        if self.ctx.api_keys is not None:
+            request = replace(request, robot_id=self._key_name)
         if request.stream:
             self._stream(request, path == "/v1/chat/completions", include_usage)
         else:
@@ -426,6 +440,21 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     # --- plumbing ---
+
+    def _refused(self) -> bool:
+        """With API keys: answer 401 (and True) unless the request bears a known token; the
+        key's name is then ``_key_name``. The body of a refused POST is left unread."""
+        if self.ctx.api_keys is None:
+            return False
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        name = self.ctx.api_keys.name_of(token.strip()) if scheme.lower() == "bearer" else None
+        if name is None:
+            self.close_connection = True
+            self._error(HTTPStatus.UNAUTHORIZED, "a valid API key is needed: Authorization: Bearer <key>",
+                        "unauthorized", {"WWW-Authenticate": "Bearer"})
+            return True
+        self._key_name = name
+        return False
 
     def _body(self) -> Any:
         declared = self.headers.get("Content-Length") or "0"

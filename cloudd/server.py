@@ -94,6 +94,10 @@ class ServeConfig:
     curve_authorized_dir: str = ""
     # With CURVE: the public keys of operators (fleetctl): they see and stop every robot's requests
     curve_operator_dir: str = ""
+    # the HTTP API's keys (cloudd.api_keys; `cloudd api-key NAME --file F` makes one): set, every
+    # route needs a bearer token (/health and /metrics stay open on loopback) and http_host may
+    # be beyond loopback
+    http_api_keys: str = ""
 
     def __post_init__(self) -> None:
         for name in ("zmq_port", "http_port"):
@@ -110,9 +114,9 @@ class ServeConfig:
         if not self.curve_secret_key and not is_loopback(self.zmq_host):
             raise ValueError(f"zmq_host {self.zmq_host!r} is not loopback: set curve_secret_key and "
                              "curve_authorized_dir, so that only the fleet's keys get in")
-        if not is_loopback(self.http_host):
-            raise ValueError(f"http_host {self.http_host!r} is not loopback: the HTTP API has no client "
-                             "authentication, so it serves loopback only (put a proxy that authenticates in front)")
+        if not is_loopback(self.http_host) and not self.http_api_keys:
+            raise ValueError(f"http_host {self.http_host!r} is not loopback: set http_api_keys, so that only "
+                             "holders of the fleet's API keys get in")
 
 
 class CloudServer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import stat
 import threading
 import urllib.error
 import urllib.request
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from cloudd.api_keys import ApiKeys, make_key
 from cloudd.http_api import ApiContext, _ends_request, make_http_server
 from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
@@ -291,3 +293,54 @@ def test_a_robot_over_its_quota_gets_a_429_with_retry_after(http):
             urllib.request.urlopen(request, timeout=60)
         assert refused.value.code == 429 and int(refused.value.headers["Retry-After"]) >= 1
         assert "quota" in json.load(refused.value)["error"]["message"]
+
+
+def test_with_api_keys_only_key_holders_get_in_and_are_served_as_their_key(http, tmp_path):
+    keys = tmp_path / "api-keys"
+    token = make_key(keys, "dock-station")
+    assert token not in keys.read_text() and stat.S_IMODE(keys.stat().st_mode) == 0o600  # hashed at rest
+    tokenizer = http[1]
+    model = tiny_model(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
+    server = CloudServer(Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=256)),
+                         ServeConfig(zmq_port=0, http_port=0), "tiny")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client = FleetClient(server.inproc_endpoint, context=server.context)
+    front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, server.metrics, "tiny", ApiKeys(keys)))
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{front.server_address[1]}"
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2, "robot_id": "someone-else", "request_id": "k-1"})
+    try:
+        for headers in ({}, {"Authorization": "Bearer not-a-key"}, {"Authorization": f"Basic {token}"}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body.encode(),
+                                                              {"Content-Type": "application/json", **headers}))
+            assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+        authorized = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body.encode(), authorized)):
+            pass
+        (row,) = [r for r in server.snapshot()["recent"] if r["request_id"] == "k-1"]
+        assert row["robot_id"] == "dock-station"
+        with urllib.request.urlopen(url + "/health") as resp:  # probes stay open on loopback
+            assert resp.status == 200
+    finally:
+        front.shutdown()
+        client.close()
+        server.stop()
+        thread.join(timeout=10)
+
+
+def test_an_api_key_file_with_a_bad_line_is_refused_naming_it(tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text("# fleet keys\nops:" + "a" * 64 + "\nbroken line\n")
+    with pytest.raises(ValueError, match=":3:"):
+        ApiKeys(keys)
+
+
+def test_cloudd_api_key_prints_a_token_once_and_keeps_its_hash(tmp_path, capsys):
+    from cloudd.__main__ import main
+
+    keys = tmp_path / "api-keys"
+    assert main(["api-key", "ops", "--file", str(keys)]) == 0
+    token = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ApiKeys(keys).name_of(token) == "ops" and token not in keys.read_text()

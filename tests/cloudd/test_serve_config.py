@@ -1,5 +1,5 @@
 """cloudd opens no door it cannot guard: ZeroMQ beyond loopback only with CURVE, the HTTP API
-(no client authentication yet) on loopback only; secret keys readable by their owner only."""
+beyond loopback only with API keys; secret keys readable by their owner only."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ def test_zeromq_beyond_loopback_needs_curve():
     ServeConfig(zmq_host="0.0.0.0", curve_secret_key="server.key_secret", curve_authorized_dir="robots")
 
 
-def test_the_http_api_serves_loopback_only():
-    with pytest.raises(ValueError, match="http_host"):
+def test_the_http_api_beyond_loopback_needs_api_keys():
+    with pytest.raises(ValueError, match="http_api_keys"):
         ServeConfig(http_host="0.0.0.0", curve_secret_key="server.key_secret", curve_authorized_dir="robots")
+    ServeConfig(http_host="0.0.0.0", http_api_keys="api-keys")
 
 
 def test_secret_keys_are_private_to_their_owner(tmp_path):
