@@ -40,6 +40,8 @@ class ServerMetrics:
         self.requests = Counter("fleetserve_requests", "Finished requests by outcome", ("priority", "finish_reason"),
                                 registry=r)
         self.output_tokens = Counter("fleetserve_output_tokens", "Generated tokens", ("priority",), registry=r)
+        self.frames_dropped = Counter("fleetserve_frames_dropped", "ZeroMQ frames dropped unread: their sender was "
+                                      "over [serve] frames_per_s", registry=r)
         self.rejections = Counter("fleetserve_rejections", "Requests refused at submit", ("priority", "reason"),
                                   registry=r)
         self.running = Gauge("fleetserve_running_requests", "Requests running in the engine", registry=r)

@@ -1,5 +1,6 @@
 """Per-robot rate limits: requests per second and generated tokens per minute, each a token
-bucket per robot.
+bucket per robot. (cloudd's front also keeps one of frames per sender with the same buckets:
+a "robot" there is a CURVE key or a connection, a "request" any frame.)
 
 A request is charged on arrival (a retry of a request already in the ledger is not): one from
 the request bucket, its ``max_tokens`` from the token bucket. It is admitted only if both hold

@@ -85,6 +85,9 @@ class ServeConfig:
     robot_requests_per_s: float = 0.0
     robot_burst: int = 20
     robot_tokens_per_min: float = 0.0
+    # per sender (its CURVE key, else its connection): frames past this rate are dropped unread
+    frames_per_s: float = 0.0
+    frames_burst: int = 200
     # response_format objects (JSON files) or "fleet-plan" to compile at start-up
     precompile: tuple[str, ...] = ()
     # CURVE: both set = every connection is encrypted and must present a robot key found in
@@ -130,6 +133,8 @@ class CloudServer:
         self.metrics = ServerMetrics(config.max_robot_labels)
         self.quotas = RobotQuotas(QuotaConfig(config.robot_requests_per_s, config.robot_burst,
                                               config.robot_tokens_per_min))
+        # the front thread's: one bucket of frames per sender
+        self._frame_quota = RobotQuotas(QuotaConfig(requests_per_s=config.frames_per_s, burst=config.frames_burst))
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._stop = threading.Event()
         self._draining = False
@@ -233,7 +238,9 @@ class CloudServer:
     def _triage(self) -> None:
         """Read waiting client messages: answer bad ones and health here, pass the rest on."""
         for identity, user_id, payload, msg in incoming(self.socket):
-            if user_id is not None and self.curve is not None and not self.curve.allows(user_id):
+            if self._frame_quota.config.enabled and self._frame_quota.charge(user_id or identity.hex(), 0) > 0:
+                self.metrics.frames_dropped.inc()  # a flood: answering it would double it
+            elif user_id is not None and self.curve is not None and not self.curve.allows(user_id):
                 self._send_now(identity, encode(Error(ErrorCode.UNAVAILABLE, "this client's CURVE key is no longer "
                                                       "authorized", getattr(msg, "request_id", None))))
             elif isinstance(msg, Error):

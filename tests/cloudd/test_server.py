@@ -259,6 +259,26 @@ def test_a_robot_over_its_quota_is_rejected_with_a_retry_after():
         peer.close()
 
 
+def test_a_sender_past_its_frame_rate_is_dropped_and_others_are_answered():
+    with running_server(frames_per_s=0.01, frames_burst=3) as server:
+        flood, other = Peer(server.endpoint), Peer(server.endpoint)
+        for _ in range(10):
+            flood.send(Health())
+        answered = []
+        while len(answered) < 3:
+            answered.append(flood.recv())
+        assert answered == [Health("ok")] * 3
+        other.send(Health())  # its own bucket: answered
+        assert other.recv() == Health("ok")
+        dropped = lambda: server.metrics.registry.get_sample_value("fleetserve_frames_dropped_total")  # noqa: E731
+        for _ in range(200):  # the rest of the flood may be read after the other's health
+            if dropped() == 7:
+                break
+            time.sleep(0.05)
+        assert dropped() == 7
+        flood.close(), other.close()
+
+
 def test_cancel_of_an_unknown_request_is_not_found(peer):
     peer.send(Cancel("never-sent"))
     reply = peer.recv()
