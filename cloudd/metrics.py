@@ -1,8 +1,10 @@
 """Prometheus metrics of cloudd (served at ``/metrics`` on the HTTP port).
 
 Histograms (seconds): TTFT, TPOT, end-to-end and queue time, labelled by priority class and
-robot. Robot labels are bounded: the first ``max_robot_labels`` robots seen get their own label,
-every later one is counted as ``other``, so a large fleet cannot blow up the series count.
+robot. Robot labels are bounded: the ``max_robot_labels`` robots that finished requests most
+recently have their own label series; a robot beyond them takes the series of the one seen
+longest ago (whose series are dropped), so a large fleet, or a client inventing robot ids,
+cannot blow up the series count nor keep the active robots out.
 Gauges: running and waiting requests, KV blocks used and total. Counters: requests by
 outcome, prefix-cache hit tokens, prompt tokens, preemptions, deadline misses, rejections by
 reason; grammar compilations, cache hits and compile time, mask time, jump-forward tokens.
@@ -10,20 +12,22 @@ reason; grammar compilations, cache hits and compile time, mask time, jump-forwa
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from cloudd.monitor import RequestRecord
 from shared.engine.engine import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
-OTHER_ROBOTS = "other"
 
 
 class ServerMetrics:
     def __init__(self, max_robot_labels: int = 64):
         self.registry = CollectorRegistry()
         self.max_robot_labels = max_robot_labels
-        self._robots: set[str] = set()
+        self._robots: OrderedDict[str, set[str]] = OrderedDict()  # robot -> its priority labels, least recent first
         labels = ("priority", "robot")
         r = self.registry
 
@@ -75,19 +79,25 @@ class ServerMetrics:
                                           registry=r)
         self._last: dict[object, float] = {}
 
-    def robot_label(self, robot_id: str) -> str:
-        if robot_id in self._robots:
-            return robot_id
-        if len(self._robots) < self.max_robot_labels:
-            self._robots.add(robot_id)
-            return robot_id
-        return OTHER_ROBOTS
+    def _robot_label(self, robot_id: str, priority: str) -> str:
+        """``robot_id``, now the most recently labelled robot; the one seen longest ago loses
+        its series when the labels are all taken."""
+        priorities = self._robots.pop(robot_id, set())
+        if len(self._robots) >= self.max_robot_labels:
+            gone, gone_priorities = self._robots.popitem(last=False)
+            for hist in self.latencies.values():
+                for p in gone_priorities:
+                    with contextlib.suppress(KeyError):  # a histogram it never observed
+                        hist.remove(p, gone)
+        priorities.add(priority)
+        self._robots[robot_id] = priorities
+        return robot_id
 
     def on_reject(self, priority: str, reason: str) -> None:
         self.rejections.labels(priority, reason).inc()
 
     def on_finish(self, rec: RequestRecord) -> None:
-        labels = (rec.priority, self.robot_label(rec.robot_id))
+        labels = (rec.priority, self._robot_label(rec.robot_id, rec.priority))
         for field, hist in self.latencies.items():
             if (value := getattr(rec, field)) is not None:
                 hist.labels(*labels).observe(value)

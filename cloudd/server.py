@@ -77,7 +77,7 @@ class ServeConfig:
     max_waiting: int = 4096  # more waiting requests than this: new ones are rejected (overload)
     shutdown_grace_s: float = 30.0  # on stop, running requests get this long to finish
     idle_poll_ms: int = 50  # how long the loop sleeps on the socket when the engine is idle
-    max_robot_labels: int = 64  # Prometheus robot labels before "other"
+    max_robot_labels: int = 64  # Prometheus robot label series kept (the robots seen last)
     http_timeout_s: float = 30.0  # an HTTP connection silent this long is closed
     stall_after_s: float = 10.0  # an engine turn running longer: health answers "stalled"
     http_max_connections: int = 256  # more open at once: the next is answered 503

@@ -7,6 +7,7 @@ import random
 from prometheus_client.parser import text_string_to_metric_families
 
 from cloudd.metrics import ServerMetrics
+from cloudd.monitor import RequestRecord
 from shared.engine.engine import Engine
 from tests.hicache.test_generation_tiers import MODEL, returning_robots, tier_config
 from tests.hicache.test_layerwise_load import by_turns
@@ -33,3 +34,19 @@ def test_tier_counters_follow_the_engine():
     assert got["fleetserve_kv_tier_hit_tokens_total", (("tier", "host"),)] == t.hit_tokens["host"]
     assert got["fleetserve_kv_tier_bytes_total", (("direction", "host_to_device"),)] == t.bytes_moved["host_to_device"]
     engine.close()
+
+
+def finished(robot_id: str, priority: str = "plan") -> RequestRecord:
+    return RequestRecord(request_id=f"{robot_id}/1", robot_id=robot_id, priority=priority, finish_reason="stop",
+                         prompt_tokens=3, cached_tokens=0, output_tokens=2, ttft_s=0.1, tpot_s=0.01, e2e_s=0.2,
+                         queue_s=0.01, finished_at=0.0)
+
+
+def test_robot_labels_follow_the_robots_seen_last():
+    """Found in review: the first 64 robot ids from anyone took the label slots for good (and a
+    500 KB robot_id grew /metrics to 28.5 MB)."""
+    metrics = ServerMetrics(max_robot_labels=2)
+    for robot in ("a", "b", "a", "c"):
+        metrics.on_finish(finished(robot))
+    robots = {dict(labels).get("robot") for (name, labels) in samples(metrics) if name.startswith("fleetserve_ttft")}
+    assert robots == {"a", "c"}  # b was seen longest ago
