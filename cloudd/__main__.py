@@ -147,13 +147,14 @@ def cmd_serve(args) -> int:
 
     from cloudd.api_keys import ApiKeys
     from cloudd.http_api import ApiContext, make_http_server
-    from cloudd.server import CloudServer, ServeConfig, is_loopback
+    from cloudd.server import CloudServer, ServeConfig
     from shared.config import load_section
     from shared.engine.engine import Engine
     from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
     from shared.model.checkpoint import load_checkpoint
     from shared.model.llama import build_model
     from shared.transport.client import ClientConfig, FleetClient
+    from shared.transport.loopback import is_loopback
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()

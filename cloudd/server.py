@@ -19,7 +19,6 @@ are rejected, running ones get ``shutdown_grace_s`` to finish, the rest are canc
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import threading
@@ -50,19 +49,10 @@ from shared.protocol.messages import (
 )
 from shared.transport.curve import OPERATOR, Caller, ClientCurve, ServerCurve
 from shared.transport.ledger import LedgerEntry, RequestLedger
+from shared.transport.loopback import is_loopback
 from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` exposes nothing beyond this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # another host name: it may resolve anywhere
-        return False
 
 
 @dataclass(frozen=True)

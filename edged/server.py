@@ -49,6 +49,7 @@ from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
 )
 from shared.transport.ledger import LedgerEntry, RequestLedger
+from shared.transport.loopback import is_local_endpoint
 from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class EdgeServeConfig:
         if not self.endpoints:
             raise ValueError("endpoints: give at least one")
         for ep in self.endpoints:
-            if not ep.startswith(("ipc://", "tcp://127.", "tcp://localhost:", "tcp://[::1]:")):
+            if not is_local_endpoint(ep):
                 raise ValueError(f"endpoints: {ep!r} is not local (use ipc:// or tcp:// on loopback)")
         if self.max_queue < 1 or self.result_ttl_s <= 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_queue >= 1, result_ttl_s > 0, shutdown_grace_s >= 0")

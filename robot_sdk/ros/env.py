@@ -8,9 +8,10 @@ Same-host data then goes over Fast DDS shared memory.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import MutableMapping
+
+from shared.transport.loopback import is_loopback
 
 DISCOVERY_RANGE = "ROS_AUTOMATIC_DISCOVERY_RANGE"
 LOCALHOST = "LOCALHOST"
@@ -40,10 +41,5 @@ def ensure_local_discovery(environ: MutableMapping[str, str] | None = None) -> N
 
 
 def _is_loopback(peer: str) -> bool:
-    host = peer.rsplit(":", 1)[0] if peer.count(":") == 1 else peer
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name could resolve anywhere
+    """A static peer, ``host`` or ``host:port``, on loopback."""
+    return is_loopback(peer.rsplit(":", 1)[0] if peer.count(":") == 1 else peer)

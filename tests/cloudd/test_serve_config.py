@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
-from cloudd.server import ServeConfig, is_loopback
+from cloudd.server import ServeConfig
 from shared.transport.curve import create_keys
+from shared.transport.loopback import is_local_endpoint, is_loopback
 
 
 @pytest.mark.parametrize(("host", "loopback"), [
@@ -17,6 +18,15 @@ from shared.transport.curve import create_keys
 ])
 def test_loopback_hosts(host, loopback):
     assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize(("endpoint", "local"), [
+    ("ipc:///tmp/edged.sock", True), ("tcp://127.0.0.1:5556", True), ("tcp://localhost:5556", True),
+    ("tcp://[::1]:5556", True), ("tcp://0.0.0.0:5556", False), ("tcp://10.0.0.2:5556", False),
+    ("inproc://x", False), ("udp://127.0.0.1:1", False),
+])
+def test_local_endpoints(endpoint, local):
+    assert is_local_endpoint(endpoint) is local
 
 
 def test_zeromq_beyond_loopback_needs_curve():
