@@ -65,13 +65,14 @@ def json_depth(text: str) -> int:
 
 def repetition_product(pattern: str) -> int:
     """The largest product of counted-repetition bounds (``{n}``, ``{m,n}``; ``{m,}`` counts m)
-    along any path of nested groups in ``pattern``; 1 without any."""
-    groups: list[tuple[int, int]] = []  # (open, close) positions
-    quantifiers: list[tuple[int, int]] = []  # (position, bound) of each counted repetition
-    opened: list[int] = []
+    along any path of nested groups in ``pattern``; 1 without any. One pass: each open group
+    keeps the largest product found inside it, which its own repetition multiplies on close."""
+    inside = [1]  # per open group (and the whole pattern): the largest product within it
+    last = 1  # the product of the atom or group just read, for a repetition that follows it
     i = 0
     while i < len(pattern):
         c = pattern[i]
+        last_before, last = last, 1
         if c == "\\":
             i += 2
             continue
@@ -80,20 +81,15 @@ def repetition_product(pattern: str) -> int:
             while i < len(pattern) and pattern[i] != "]":
                 i += 2 if pattern[i] == "\\" else 1
         elif c == "(":
-            opened.append(i)
-        elif c == ")" and opened:
-            groups.append((opened.pop(), i))
+            inside.append(1)
+        elif c == ")" and len(inside) > 1:
+            last = inside.pop()
+            inside[-1] = max(inside[-1], last)
         elif c == "{" and (m := _COUNTED.match(pattern, i)):
             low, upper = int(m.group(1)), m.group(3)
-            quantifiers.append((i, int(upper) if upper else low))
+            last = last_before * (int(upper) if upper else low)
+            inside[-1] = max(inside[-1], last)
             i = m.end()
             continue
         i += 1
-    bound_after = dict(quantifiers)  # a group's repetition is the quantifier right after its ")"
-    product = 1
-    for position, bound in quantifiers:
-        for start, end in groups:
-            if start < position < end:
-                bound *= max(bound_after.get(end + 1, 1), 1)
-        product = max(product, bound)
-    return product
+    return max(inside)
