@@ -32,13 +32,9 @@ class Sampler:
         temperatures = torch.tensor([0.0 if sp.greedy else sp.temperature for sp in params], dtype=torch.float32)
         uniforms = self._uniforms(request_ids, params)
         filtered = [row for row, sp in enumerate(params) if not sp.greedy and (sp.top_k or sp.top_p < 1.0)]
-        if not filtered:
-            tokens = sample_rows(logits, temperatures, uniforms)  # [N]
-        else:
-            tokens = torch.empty(len(params), dtype=torch.int64)
-            plain = torch.tensor(sorted(set(range(len(params))) - set(filtered)), dtype=torch.int64)
-            if len(plain):
-                tokens[plain] = sample_rows(logits.index_select(0, plain), temperatures[plain], uniforms[plain])
+        # NOTE: over every row, with no copy of the logits; a filtered row's draw here is replaced below
+        tokens = sample_rows(logits, temperatures, uniforms)  # [N]
+        if filtered:
             rows = torch.tensor(filtered)
             scores = _filtered_scores(logits.index_select(0, rows).float(), [params[r] for r in filtered])
             tokens[rows] = sample_rows(scores, torch.ones(len(filtered)), uniforms[rows])
