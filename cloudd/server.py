@@ -48,6 +48,7 @@ from shared.protocol.messages import (
     Usage,
 )
 from shared.transport.curve import OPERATOR, Caller, ClientCurve, ServerCurve
+from shared.transport.execution_log import ExecutionLog
 from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.loopback import is_loopback
 from shared.transport.router import incoming, router_socket, send_nowait
@@ -91,6 +92,8 @@ class ServeConfig:
     # route needs a bearer token (/health and /metrics stay open on loopback) and http_host may
     # be beyond loopback
     http_api_keys: str = ""
+    # a journal of every execution (shared.transport.execution_log): "" = none
+    execution_log: str = ""
 
     def __post_init__(self) -> None:
         for name in ("zmq_port", "http_port"):
@@ -119,6 +122,7 @@ class CloudServer:
         self.model_name = model_name
         self.context = context or zmq.Context.instance()
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
+        self.executions = ExecutionLog(config.execution_log)
         self.monitor = FleetMonitor(model_name, engine.scheduler.policy.name)
         self.metrics = ServerMetrics(config.max_robot_labels)
         self.quotas = RobotQuotas(QuotaConfig(config.robot_requests_per_s, config.robot_burst,
@@ -197,6 +201,7 @@ class CloudServer:
             self._front_done.set()
             front.join()
             self._engine_pipe.close()
+            self.executions.close()
 
     def _front(self) -> None:
         """The front thread: client messages in (health and errors answered here), replies out."""
@@ -344,6 +349,7 @@ class CloudServer:
             return
         self._requests[msg.request_id] = self.engine.get_request(msg.request_id)
         self.ledger.open(msg, identity)
+        self.executions.started(msg.request_id)
         self.monitor.on_submit(msg.robot_id)
 
     def _admission_error(self, msg: Generate) -> Error | None:
@@ -404,6 +410,7 @@ class CloudServer:
             detail=_detail(req),
         )
         self.ledger.close(req.request_id, result, time.monotonic())
+        self.executions.ended(req.request_id, result.finish_reason)
         for identity in entry.subscribers:
             self._send(identity, result)
         self.monitor.on_finish(record)
@@ -417,6 +424,7 @@ class CloudServer:
                 self.engine.abort(rid)
                 self._requests.pop(rid)
                 self.ledger.discard(rid)
+                self.executions.ended(rid, code.value)
                 for identity in entry.subscribers:
                     self._send(identity, Error(code, why, rid))
                 continue
@@ -426,8 +434,21 @@ class CloudServer:
         log.info("cancelled live requests: %s", why)
 
     def snapshot(self) -> dict:
-        """The ``stats`` reply (see ``cloudd.monitor``)."""
-        return self.monitor.snapshot(self.engine.stats(), self._requests.values(), self._draining, self.engine.clock())
+        """The ``stats`` reply (see ``cloudd.monitor``), with ``kv_check``: while the engine is
+        idle, "ok" when every KV block is free or held by the prefix cache alone and the cache's
+        structures agree (else what is wrong); "busy" while requests run."""
+        snapshot = self.monitor.snapshot(self.engine.stats(), self._requests.values(), self._draining,
+                                         self.engine.clock())
+        return {**snapshot, "kv_check": self._kv_check()}
+
+    def _kv_check(self) -> str:
+        if self.engine.has_unfinished:
+            return "busy"
+        try:
+            self.engine.scheduler.kv.check_integrity([])
+        except AssertionError as e:
+            return f"failed: {e}"
+        return "ok"
 
     def _send(self, identity: bytes, msg: Message) -> None:
         """Engine thread: hand a reply to the front thread."""

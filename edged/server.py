@@ -48,6 +48,7 @@ from shared.protocol.codec import ProtocolError, encode
 from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
 )
+from shared.transport.execution_log import ExecutionLog
 from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.loopback import is_local_endpoint
 from shared.transport.router import incoming, router_socket, send_nowait
@@ -66,6 +67,7 @@ class EdgeServeConfig:
     result_ttl_s: float = 300.0
     shutdown_grace_s: float = 10.0
     pinned_dir: str = "~/.cache/fleetserve/pinned"  # pinned prompts' KV on disk
+    execution_log: str = ""  # a journal of every execution (shared.transport.execution_log): "" = none
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -126,6 +128,7 @@ class EdgeServer:
         self.model_name = model_name
         self.context = context or zmq.Context.instance()
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
+        self.executions = ExecutionLog(config.execution_log)
         self.counters = EdgeCounters()
         self.live: dict[str, EdgeRequest] = {}
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -177,6 +180,7 @@ class EdgeServer:
             if self.cloud is not None:
                 self.cloud.close()
             self.socket.close()
+            self.executions.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
 
@@ -265,6 +269,7 @@ class EdgeServer:
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} does not fit the robot's "
                 f"context of {self.policy.local_context} and no cloud is configured", msg.request_id))
         self.live[msg.request_id] = req
+        self.executions.started(msg.request_id)
         if req.reason is not EscalationReason.CONTEXT:
             self._start_local(req, params)
         if req.reason is not None:
@@ -423,6 +428,7 @@ class EdgeServer:
     def _finish(self, req: EdgeRequest, reply: Result | Error) -> None:
         rid = req.msg.request_id
         self.live.pop(rid, None)
+        self.executions.ended(rid, reply.finish_reason if isinstance(reply, Result) else reply.code.value)
         if isinstance(reply, Result):
             self.ledger.close(rid, reply, time.monotonic())
         else:

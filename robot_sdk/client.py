@@ -30,6 +30,7 @@ from robot_sdk.validate import PlanChecker
 from shared.protocol.messages import (ChatMessage, Chunk, Error, ErrorCode, Escalation, Generate, Priority, Result,
                                       Sampling)
 from shared.transport.client import Call, ClientConfig, FleetClient, Reply, RequestFailed
+from shared.transport.curve import ClientCurve
 
 DEADLINE_GRACE_S = 0.5  # past deadline_ms, how long to wait for the daemon's own deadline reply
 DEFAULT_MAX_STEPS = 8  # the daemon's default for a skills plan
@@ -54,14 +55,18 @@ class PlanClient:
         timeout_s: how long a silent daemon is tolerated before reconnecting and re-sending.
         retries: reconnections before a request fails with ``Unavailable``.
         instructions: extra system-prompt text (safety rules, conventions) for every plan.
+        curve: the robot's CURVE keys (``ClientCurve.from_files(server_key, robot_key)``), for a
+            daemon that takes only authorized keys (cloudd with CURVE on).
     """
 
     def __init__(self, endpoint: str, robot_id: str = "", timeout_s: float = 30.0, retries: int = 3,
-                 instructions: str | None = None, context: zmq.Context | None = None):
+                 instructions: str | None = None, context: zmq.Context | None = None,
+                 curve: ClientCurve | None = None):
         self.endpoint = endpoint
         self.robot_id = robot_id
         self.instructions = instructions
-        self._config = ClientConfig(timeout_s=timeout_s, heartbeat_s=min(1.0, timeout_s / 4), retries=retries)
+        self._config = ClientConfig(timeout_s=timeout_s, heartbeat_s=min(1.0, timeout_s / 4), retries=retries,
+                                    curve=curve)
         self._context = context
         self._link = FleetClient(endpoint, self._config, context)
         self._cancel_link: FleetClient | None = None  # lazily: a cancel must not take a waiter's result

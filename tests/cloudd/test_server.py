@@ -409,3 +409,29 @@ def test_health_says_stalled_while_one_engine_turn_runs_past_its_bound():
         finally:
             release.set()
             peer.close()
+
+
+# --- bookkeeping the soak harness reads ------------------------------------------------------------
+
+
+def test_the_execution_journal_counts_one_run_per_request_even_when_it_is_retried(tmp_path):
+    from shared.transport.execution_log import Executions, read_executions
+    journal = tmp_path / "executions.jsonl"
+    with running_server(execution_log=str(journal)) as srv, FleetClient(srv.endpoint) as client:
+        client.generate(gen("journal-a", max_tokens=3))
+        client.generate(gen("journal-a", max_tokens=3))  # a retry: the kept result, no second run
+        client.generate(gen("journal-b", max_tokens=2))
+    assert read_executions(journal) == {"journal-a": Executions(1, 1), "journal-b": Executions(1, 1)}
+
+
+def test_stats_check_the_kv_pool_when_idle_and_name_a_leaked_block(server, peer):
+    peer.send(gen("kv-check", max_tokens=4))
+    peer.until_result()
+    assert server.snapshot()["kv_check"] == "ok"
+    pool = server.engine.scheduler.kv.pool
+    leaked = pool.allocate(1)  # a ref nobody holds: what a bug in a fault path would leave
+    try:
+        assert server.snapshot()["kv_check"].startswith("failed: block")
+    finally:
+        pool.decref(leaked)
+    assert server.snapshot()["kv_check"] == "ok"
