@@ -13,7 +13,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export GOMP_SPINCOUNT ?= 10000
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model kernels demo test bench bench-serve clean
+.PHONY: setup model kernels demo test bench bench-serve soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ bench: model kernels
 # (about 15 min). The servers are stopped even if the bench fails.
 bench-serve: model kernels
 	.ci/bench-serve.sh $(VENV)
+
+# Reliability: real cloudd and edged (CURVE on, loopback only) fuzzed with a million frames each
+# and cloudd's HTTP API with malformed, half-sent and idle requests, then eight faults with plans
+# in flight; every plan accounted for (at most 15 min). The report: soak-report.json.
+soak: model kernels
+	$(PY) -m shared.soak --json soak-report.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

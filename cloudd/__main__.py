@@ -3,7 +3,8 @@ against a running server), `chat` (one reply)."""
 
 from __future__ import annotations
 
-from shared.config import freeze_start_up_heap, keep_freed_memory_in_process, set_openmp_wait_defaults
+from shared.config import (freeze_start_up_heap, keep_freed_memory_in_process, respond_between_steps,
+                           set_openmp_wait_defaults)
 
 set_openmp_wait_defaults()  # NOTE: before torch loads
 keep_freed_memory_in_process()
@@ -173,6 +174,7 @@ def cmd_serve(args) -> int:
     concurrent.futures.wait(engine.precompile(_response_formats(serve.precompile)))
     warm_up_s = engine.warm_up()
     freeze_start_up_heap()
+    respond_between_steps()
     server = CloudServer(engine, serve, model_name=model_path.stem)
     client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
     api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None

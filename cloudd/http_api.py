@@ -104,6 +104,9 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` of them."""
 
     daemon_threads = True
+    # the listen backlog: socketserver's 5 dropped the SYNs of a burst of connections, and each
+    # retried after 1-3 s (350 connections opened at once took 57 s to be accepted)
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
         if max_connections < 1:

@@ -4,7 +4,8 @@ quantization costs against the unquantized model)."""
 
 from __future__ import annotations
 
-from shared.config import freeze_start_up_heap, keep_freed_memory_in_process, set_openmp_wait_defaults
+from shared.config import (freeze_start_up_heap, keep_freed_memory_in_process, respond_between_steps,
+                           set_openmp_wait_defaults)
 
 set_openmp_wait_defaults()  # NOTE: before torch loads
 keep_freed_memory_in_process()
@@ -35,6 +36,7 @@ def cmd_serve(args) -> int:
     config = EdgeConfig.load(args.config) if args.config else EdgeConfig()
     server = build_server(config)
     freeze_start_up_heap()
+    respond_between_steps()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     cloud = config.escalation.cloud_endpoint or "none"

@@ -67,6 +67,9 @@ class EdgeServeConfig:
     result_ttl_s: float = 300.0
     shutdown_grace_s: float = 10.0
     pinned_dir: str = "~/.cache/fleetserve/pinned"  # pinned prompts' KV on disk
+    # longer chat text is refused before tokenizing (on the thread that answers health): the
+    # 262,144 characters that cloudd's default 8,192-token context admits
+    max_prompt_chars: int = 262_144
     execution_log: str = ""  # a journal of every execution (shared.transport.execution_log): "" = none
 
     def __post_init__(self) -> None:
@@ -247,6 +250,10 @@ class EdgeServer:
         if self.worker.depth >= self.config.max_queue:
             return self._reject(identity, Error(ErrorCode.REJECTED,
                                                 f"overloaded: {self.config.max_queue} local jobs queued", msg.request_id))
+        chars = sum(len(m.content) for m in msg.messages)
+        if chars > self.config.max_prompt_chars:
+            return self._reject(identity, Error(ErrorCode.INVALID_REQUEST, f"prompt of {chars} characters is over "
+                                                f"max_prompt_chars {self.config.max_prompt_chars}", msg.request_id))
         try:
             prompt = (self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
                       if msg.messages else list(msg.prompt_ids))

@@ -48,6 +48,15 @@ def freeze_start_up_heap() -> None:
     gc.freeze()
 
 
+def respond_between_steps() -> None:
+    """Let a daemon's socket thread take the interpreter lock within 1 ms of wanting it (Python's
+    default is 5 ms) while its engine thread runs Python between kernels: a health probe needs
+    the lock a few times, and at 5 ms a wait under a flood of frames reached 100-300 ms."""
+    import sys
+
+    sys.setswitchinterval(0.001)
+
+
 def model_cache_dir() -> Path:
     """Where downloaded model files live.
 

@@ -91,6 +91,10 @@ def _from_wire(cls: type, obj: Any, path: str) -> Any:
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in obj and _required(f)]
     if missing:
         raise ValueError(f"{path}: missing field {missing[0]!r}")
+    limits = _item_limits(cls)
+    for name, limit in limits.items():
+        if isinstance(obj.get(name), list) and len(obj[name]) > limit:
+            raise ValueError(f"{path}.{name}: at most {limit} items, got {len(obj[name])}")
     kwargs = {name: _convert(hints[name], value, f"{path}.{name}") for name, value in obj.items()}
     try:
         return cls(**kwargs)
@@ -110,6 +114,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, list | tuple):
             raise TypeError(f"{path}: expected a list, got {type(value).__name__}")
         (item, _ellipsis) = typing.get_args(tp)
+        if item in (int, str) and all(type(v) is item for v in value):  # no call per item (bool is no int here)
+            return tuple(value)
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -142,6 +148,12 @@ def _scalar(tp: type, value: Any, path: str) -> Any:
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+@cache
+def _item_limits(cls: type) -> dict[str, int]:
+    """Tuple fields of ``cls`` with a ``max_items`` bound: checked before their items are converted."""
+    return {f.name: f.metadata["max_items"] for f in dataclasses.fields(cls) if "max_items" in f.metadata}
 
 
 def _required(f: dataclasses.Field) -> bool:

@@ -9,6 +9,7 @@ string values. Tensors never cross the wire.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -23,6 +24,25 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_ROBOT_ID_CHARS = 64
 MAX_TAGS = 16
 MAX_TAG_CHARS = 64
+# Lists a message may carry, bounded before any item is converted (the codec checks the count
+# first: 20,000 chat messages took the decoding thread 170 ms), and again when one is built.
+MAX_MESSAGES = 1024
+MAX_PROMPT_IDS = 1 << 17  # 131,072 tokens: past every context a daemon serves
+MAX_STOPS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def bounded(max_items: int, **kw) -> dataclasses.Field:
+    """A tuple field of at most ``max_items`` items (the codec reads ``max_items``)."""
+    return field(default=(), metadata={"max_items": max_items}, **kw)
+
+
+def _check_items(msg: object) -> None:
+    """ValueError naming the first tuple field of ``msg`` longer than its ``max_items``."""
+    for f in dataclasses.fields(msg):
+        limit = f.metadata.get("max_items")
+        if limit is not None and len(getattr(msg, f.name)) > limit:
+            raise ValueError(f"{f.name}: at most {limit} items, got {len(getattr(msg, f.name))}")
 
 
 def _check_range(name: str, value: int, low: int, limit: int = WIRE_INT_LIMIT) -> None:
@@ -89,12 +109,13 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = bounded(MAX_STOPS)
+    stop_token_ids: tuple[int, ...] = bounded(MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False  # benchmarks: a fixed output length
     logprobs: bool = False
 
     def __post_init__(self) -> None:
+        _check_items(self)
         _check_range("max_tokens", self.max_tokens, 1)
         _check_range("top_k", self.top_k, 0)
         if self.seed is not None:
@@ -109,19 +130,20 @@ class Generate:
 
     TYPE: ClassVar[str] = "generate"
     request_id: str  # idempotency key: a retry with the same id never runs twice
-    messages: tuple[ChatMessage, ...] = ()
-    prompt_ids: tuple[int, ...] = ()
+    messages: tuple[ChatMessage, ...] = bounded(MAX_MESSAGES)
+    prompt_ids: tuple[int, ...] = bounded(MAX_PROMPT_IDS)
     sampling: Sampling = field(default_factory=Sampling)
     response_format: dict | None = None  # json_schema | json_object | regex | ebnf | skills
     priority: Priority = Priority.PLAN
     deadline_ms: int | None = None  # relative to when the server receives the request
     robot_id: str = ""
     escalation: Escalation = Escalation.AUTO
-    tags: tuple[str, ...] = ()  # task tags; edged escalates the tags its config lists
+    tags: tuple[str, ...] = bounded(MAX_TAGS)  # task tags; edged escalates the tags its config lists
     stream: bool = False
     resume_from: int = 0  # on a retry of a stream: resend chunks from this seq on
 
     def __post_init__(self) -> None:
+        _check_items(self)
         if bool(self.messages) == bool(self.prompt_ids):
             raise ValueError("give exactly one of messages and prompt_ids")
         if not 0 < len(self.request_id) <= MAX_REQUEST_ID_CHARS:

@@ -160,6 +160,14 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(client):
     assert client.health(timeout_s=10) == "ok"
 
 
+def test_a_prompt_past_max_prompt_chars_is_refused_before_it_is_tokenized(client):
+    huge = Generate("huge-1", messages=(ChatMessage("user", "word " * 60_000),), sampling=Sampling(max_tokens=4))
+    with pytest.raises(RequestFailed) as e:
+        client.generate(huge, timeout_s=30)
+    assert e.value.code is ErrorCode.INVALID_REQUEST and "max_prompt_chars 262144" in e.value.error.message
+    assert client.health(timeout_s=10) == "ok"
+
+
 @pytest.mark.parametrize("idle_s", [0.0, 1.5], ids=["at-once", "after-the-handshake-failed"])
 def test_a_robot_key_the_cloud_does_not_know_is_refused(fleet, idle_s):
     curve = ClientCurve.from_files(fleet.server_public, fleet.rogue_secret)

@@ -7,7 +7,7 @@ import pytest
 
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.grammar.limits import MAX_REPETITION, json_depth, repetition_product
+from shared.engine.grammar.limits import MAX_REPETITION, MAX_SKILLS, json_depth, repetition_product
 from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import SchedulerConfig
@@ -44,7 +44,9 @@ def deep_schema(depth: int) -> dict:
     ({"type": "regex", "regex": "(a{1,99}){1,99}"}, f"more than {MAX_REPETITION}"),
     ({"type": "json_schema", "schema": deep_schema(350)}, "nests"),  # 700 levels: 12.8 s to validate
     ({"type": "ebnf", "ebnf": 'root ::= "' + "a" * 70_000 + '"'}, "characters exceeds"),
-], ids=["nested-repeat", "deep-schema", "long-ebnf"])
+    ({"type": "skills", "skills": [{"name": f"s{i}", "args": {}} for i in range(MAX_SKILLS + 1)]},
+     f"more than {MAX_SKILLS}"),  # 2,000: 195 ms building its schema under the interpreter lock
+], ids=["nested-repeat", "deep-schema", "long-ebnf", "many-skills"])
 def test_a_grammar_past_its_bounds_is_refused_naming_the_bound(response_format, words):
     with pytest.raises(ValueError, match=words):
         grammar_spec(response_format)

@@ -9,6 +9,10 @@ from hypothesis import strategies as st
 
 from shared.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
 from shared.protocol.messages import (
+    MAX_MESSAGES,
+    MAX_PROMPT_IDS,
+    MAX_STOPS,
+    MAX_TAGS,
     PROTOCOL_VERSION,
     Cancel,
     ChatMessage,
@@ -134,11 +138,33 @@ def test_the_request_id_survives_into_the_error_when_readable():
 
 
 def test_oversize_messages_are_refused_before_parsing():
-    big = encode(Generate(request_id="a", prompt_ids=tuple(range(100_000, 400_000))))
+    big = encode(Generate(request_id="a", messages=(ChatMessage("user", "x" * (MAX_MESSAGE_BYTES + 1)),)))
     assert len(big) > MAX_MESSAGE_BYTES
     with pytest.raises(ProtocolError) as info:
         decode(big)
     assert info.value.code == ErrorCode.TOO_LARGE
+
+
+@pytest.mark.parametrize("field, items", [
+    ("messages", [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)),
+    ("prompt_ids", [1] * (MAX_PROMPT_IDS + 1)),
+    ("tags", ["t"] * (MAX_TAGS + 1)),
+])
+def test_long_lists_are_refused_by_their_count_before_their_items_are_read(field, items):
+    wire = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "a", field: items}
+    if field != "messages":
+        wire["messages"] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ProtocolError) as info:
+        decode(msgpack.packb(wire))
+    assert info.value.code == ErrorCode.BAD_MESSAGE and f"at most {len(items) - 1} items" in info.value.message
+    with pytest.raises(ValueError, match="at most"):  # and a sender cannot build one either
+        Sampling(stop=("s",) * (MAX_STOPS + 1))
+
+
+def test_lists_of_plain_items_still_refuse_a_wrong_item_type():
+    wire = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "a", "prompt_ids": [1, 2, True]}
+    with pytest.raises(ProtocolError, match=r"prompt_ids\[2\]: expected int, got bool"):
+        decode(msgpack.packb(wire))
 
 
 def test_priority_rank_is_the_one_sort_key():

@@ -20,11 +20,12 @@ most `MAX_STRING_CHARS` characters, numbers within +-`MAX_NUMBER`.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.engine.grammar.limits import check_grammar_limits
+from shared.engine.grammar.limits import MAX_SKILLS, check_grammar_limits
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "ebnf")
@@ -133,11 +134,13 @@ def plan_schema(skills: Sequence[Mapping[str, Any]], max_steps: int = DEFAULT_MA
     """
     if not isinstance(skills, Sequence) or isinstance(skills, str) or not skills:
         raise ValueError("response_format.skills: expected a non-empty list of skills")
+    if len(skills) > MAX_SKILLS:
+        raise ValueError(f"response_format.skills: {len(skills)} skills, more than {MAX_SKILLS}")
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"response_format.max_steps: expected an integer >= 1, got {max_steps!r}")
     steps = [_step_schema(skill, f"response_format.skills[{i}]") for i, skill in enumerate(skills)]
     names = [step["properties"]["skill"]["const"] for step in steps]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    duplicates = sorted(name for name, n in Counter(names).items() if n > 1)
     if duplicates:
         raise ValueError(f"response_format.skills: duplicate skill names {duplicates}")
     return {

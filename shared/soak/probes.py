@@ -1,0 +1,87 @@
+"""What the soak harness watches while it fuzzes: a daemon's health latency, and its process's
+memory, threads and file descriptors (read from ``/proc``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from shared.protocol.codec import decode, encode
+from shared.protocol.messages import Health
+from shared.transport.curve import ClientCurve
+
+HEALTH_BOUND_MS = 100.0  # the issue's bar: health answered within this, throughout
+
+
+@dataclass(frozen=True)
+class ProcessResources:
+    rss_mb: float
+    threads: int
+    fds: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessResources:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
+        return cls(round(int(fields["VmRSS"].split()[0]) / 1024, 1), int(fields["Threads"]),
+                   len(os.listdir(f"/proc/{pid}/fd")))
+
+
+class HealthWatch:
+    """Probes ``endpoint`` with ``health`` every ``every_s`` from its own thread and socket until
+    stopped; a probe unanswered for ``timeout_s`` counts as failed."""
+
+    def __init__(self, endpoint: str, curve: ClientCurve | None = None, every_s: float = 0.05, timeout_s: float = 2.0):
+        self.endpoint, self.curve, self.every_s, self.timeout_s = endpoint, curve, every_s, timeout_s
+        self.latencies_ms: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-watch", daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout_s + 5)
+
+    def summary(self) -> dict:
+        ordered = sorted(self.latencies_ms)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else None
+        return {"probes": len(ordered) + self.failures, "failures": self.failures,
+                "max_ms": round(ordered[-1], 1) if ordered else None, "p99_ms": None if p99 is None else round(p99, 1),
+                "over_bound": sum(ms > HEALTH_BOUND_MS for ms in ordered) + self.failures,
+                "bound_ms": HEALTH_BOUND_MS}
+
+    def _run(self) -> None:
+        socket = self._connect()
+        try:
+            while not self._stop.wait(self.every_s):
+                began = time.monotonic()
+                socket.send(encode(Health()))
+                if socket.poll(self.timeout_s * 1000) and isinstance(decode(socket.recv()), Health):
+                    self.latencies_ms.append((time.monotonic() - began) * 1000)
+                else:
+                    self.failures += 1
+                    socket.close(0)
+                    socket = self._connect()
+        finally:
+            socket.close(0)
+
+    def _connect(self) -> zmq.Socket:
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(socket)
+        socket.connect(self.endpoint)
+        return socket
+
+
+def resources_dict(before: ProcessResources, after: ProcessResources) -> dict:
+    return {"before": asdict(before), "after": asdict(after),
+            "rss_growth_mb": round(after.rss_mb - before.rss_mb, 1),
+            "thread_growth": after.threads - before.threads, "fd_growth": after.fds - before.fds}
