@@ -72,7 +72,13 @@ class EscalationPolicy:
 
     def before(self, msg: Generate, prompt_tokens: int, local_wait_s: float | None) -> EscalationReason | None:
         """The reason to escalate before running locally, or None. ``local_wait_s``: when the
-        local answer would be ready (seconds from now), None when unknown."""
+        local answer would be ready (seconds from now), None when unknown. A prompt that leaves
+        the robot's context no room for a token is ``CONTEXT`` whatever the request asked for
+        (no local run is possible; forced local, the server refuses it): a forced-local one used
+        to run and fail inside the model with ``internal``. One that fits with its output cut
+        short may still be forced either way."""
+        if prompt_tokens >= self.local_context:
+            return EscalationReason.CONTEXT
         if msg.escalation is Escalation.LOCAL:
             return None
         if msg.escalation is Escalation.CLOUD:

@@ -4,7 +4,9 @@ One front thread owns the ROUTER socket (bound to an ``ipc://`` path and a loopb
 port for the robot's processes) and every request's state; nothing else touches either. The
 local worker thread (``edged.local_worker``) and the cloud link (``edged.cloud_link``) report
 back through an event queue that wakes the front thread, so health probes are answered at once
-whatever the model is doing.
+whatever the model is doing. So does the preparing thread, which tokenizes each new request and
+validates its grammar: a long prompt or a new grammar (hundreds of milliseconds) never holds
+the front thread.
 
 Each request ends with exactly one ``result`` (or one ``error`` when it could not be served at
 all) saying where it was answered (``source``), why it was escalated (``escalation_reason``)
@@ -31,6 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -106,6 +109,25 @@ class EdgeRequest:
         return self.cloud_started is not None and self.cloud_result is None and self.cloud_error is None
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What the preparing thread made of a request."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: GrammarSpec | None
+
+
+@dataclass
+class Admitting:
+    """A request being prepared: who asked (a retry meanwhile joins), who cancelled it."""
+
+    msg: Generate
+    received: float
+    identities: list[bytes]
+    cancelled_by: list[bytes] = field(default_factory=list)
+
+
 @dataclass
 class EdgeCounters:
     requests: int = 0
@@ -134,6 +156,8 @@ class EdgeServer:
         self.executions = ExecutionLog(config.execution_log)
         self.counters = EdgeCounters()
         self.live: dict[str, EdgeRequest] = {}
+        self._admitting: dict[str, Admitting] = {}  # being prepared (tokenized, validated)
+        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="edged-prepare")
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self._stop = threading.Event()
@@ -165,7 +189,11 @@ class EdgeServer:
                 if self._stop.is_set() and grace_ends is None:
                     self._draining = True
                     grace_ends = time.monotonic() + self.config.shutdown_grace_s
-                if grace_ends is not None and (not self.live or time.monotonic() >= grace_ends):
+                if grace_ends is not None and (not (self.live or self._admitting) or time.monotonic() >= grace_ends):
+                    for pending in list(self._admitting.values()):
+                        self._reject_all(pending, Error(ErrorCode.REJECTED, "edged is shutting down",
+                                                        pending.msg.request_id))
+                    self._admitting.clear()
                     for req in list(self.live.values()):
                         self._cancel(req)
                     self._run_events(wait_s=1.0)  # their results
@@ -179,6 +207,7 @@ class EdgeServer:
                 self._check_timers()
                 self.ledger.expire(time.monotonic())
         finally:
+            self._preparer.shutdown(wait=False, cancel_futures=True)
             self.worker.stop()
             if self.cloud is not None:
                 self.cloud.close()
@@ -239,48 +268,89 @@ class EdgeServer:
     # --- admission -----------------------------------------------------------------------------
 
     def _on_generate(self, identity: bytes, msg: Generate) -> None:
-        entry = self.ledger.get(msg.request_id)
+        """Cheap checks here; tokenizing and grammar validation on the preparing thread, so health
+        and every other message are answered meanwhile; ``_admit`` takes it from there. A retry
+        while its request is being prepared joins it."""
+        rid = msg.request_id
+        entry = self.ledger.get(rid)
         if entry is not None:
             for reply in entry.rejoin(identity, msg):
                 self._send(identity, reply)
             return
+        pending = self._admitting.get(rid)
+        if pending is not None:
+            if pending.msg.fingerprint() != msg.fingerprint():
+                self._send(identity, Error(ErrorCode.INVALID_REQUEST,
+                                           f"request_id {rid!r} is in use by a different request", rid))
+            elif identity not in pending.identities:
+                pending.identities.append(identity)
+            return
         self.counters.requests += 1
         if self._draining:
-            return self._reject(identity, Error(ErrorCode.REJECTED, "edged is shutting down", msg.request_id))
+            return self._reject(identity, Error(ErrorCode.REJECTED, "edged is shutting down", rid))
         if self.worker.depth >= self.config.max_queue:
             return self._reject(identity, Error(ErrorCode.REJECTED,
-                                                f"overloaded: {self.config.max_queue} local jobs queued", msg.request_id))
+                                                f"overloaded: {self.config.max_queue} local jobs queued", rid))
         chars = sum(len(m.content) for m in msg.messages)
         if chars > self.config.max_prompt_chars:
             return self._reject(identity, Error(ErrorCode.INVALID_REQUEST, f"prompt of {chars} characters is over "
-                                                f"max_prompt_chars {self.config.max_prompt_chars}", msg.request_id))
+                                                f"max_prompt_chars {self.config.max_prompt_chars}", rid))
+        self._admitting[rid] = Admitting(msg, time.monotonic(), [identity])
+        future = self._preparer.submit(self._prepare, msg)
+        future.add_done_callback(lambda done: self.post(lambda: self._admit(rid, done)))
+
+    def _prepare(self, msg: Generate) -> Prepared:
+        """The preparing thread: ValueError for a request that cannot be served."""
+        prompt = (self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+                  if msg.messages else list(msg.prompt_ids))
+        spec = grammar_spec(msg.response_format)
+        params = SamplingParams.from_wire(msg.sampling)
+        if spec is not None:
+            self.compiler.validate(spec)
+        return Prepared(prompt, params, spec)
+
+    def _admit(self, rid: str, done: Future) -> None:
+        pending = self._admitting.pop(rid, None)
+        if pending is None:
+            return  # answered already (a shutdown)
+        msg, first = pending.msg, pending.identities[0]
         try:
-            prompt = (self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
-                      if msg.messages else list(msg.prompt_ids))
-            params = SamplingParams.from_wire(msg.sampling)
-            spec = grammar_spec(msg.response_format)
-            if spec is not None:
-                self.compiler.validate(spec)
+            prepared = done.result()
         except ValueError as e:
-            return self._reject(identity, Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id))
-        now = time.monotonic()
-        deadline = None if msg.deadline_ms is None else now + msg.deadline_ms / 1000
-        req = EdgeRequest(msg, self.ledger.open(msg, identity), now, prompt, spec, deadline)
+            return self._reject_all(pending, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
+        except Exception as e:  # a bug preparing one request must not stop the daemon
+            log.exception("failed to prepare a request")
+            return self._reject_all(pending, Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", rid))
+        if pending.cancelled_by:
+            return self._reject_all(pending, Result(rid, "", FinishReason.ABORT.value, Usage(len(prepared.prompt_ids), 0),
+                                                    source=Source.EDGE, detail="cancelled"))
+        prompt, params = prepared.prompt_ids, prepared.params
+        deadline = None if msg.deadline_ms is None else pending.received + msg.deadline_ms / 1000
+        req = EdgeRequest(msg, self.ledger.open(msg, first), pending.received, prompt, prepared.spec, deadline)
+        for identity in pending.identities[1:]:
+            req.entry.subscribe(identity)
         own_s = self.worker.rate.seconds(len(prompt), params.max_tokens)
         wait_s = self.worker.wait_estimate_s(msg.priority.rank, deadline, own_s)
         req.reason = self.policy.before(msg, len(prompt), wait_s)
         if req.reason is EscalationReason.CONTEXT and (self.cloud is None or msg.escalation.value == "local"):
-            self.ledger.discard(msg.request_id)
-            return self._reject(identity, Error(
+            self.ledger.discard(rid)
+            return self._reject_all(pending, Error(
                 ErrorCode.INVALID_REQUEST,
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} does not fit the robot's "
-                f"context of {self.policy.local_context} and no cloud is configured", msg.request_id))
-        self.live[msg.request_id] = req
-        self.executions.started(msg.request_id)
+                f"context of {self.policy.local_context} and "
+                f"{'no cloud is configured' if self.cloud is None else 'the request is forced local'}", rid))
+        self.live[rid] = req
+        self.executions.started(rid)
         if req.reason is not EscalationReason.CONTEXT:
             self._start_local(req, params)
         if req.reason is not None:
             self._escalate(req)
+
+    def _reject_all(self, pending: Admitting, reply: Error | Result) -> None:
+        """Answer a request that never ran: its senders, and those who cancelled it meanwhile."""
+        self.counters.rejected += isinstance(reply, Error)
+        for identity in pending.identities + pending.cancelled_by:
+            self._send(identity, reply)
 
     def _reject(self, identity: bytes, error: Error) -> None:
         self.counters.rejected += 1
@@ -452,6 +522,10 @@ class EdgeServer:
     # --- cancel, stats ---------------------------------------------------------------------------
 
     def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
+        pending = self._admitting.get(msg.request_id)
+        if pending is not None:  # answered (abort) once it is prepared
+            pending.cancelled_by.append(identity)
+            return
         entry = self.ledger.get(msg.request_id)
         if entry is None:
             self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))

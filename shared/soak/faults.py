@@ -9,7 +9,7 @@ for every plan's one answer and checks the fleet once it is idle again (``check_
 | ``link_blackhole`` | escalated, local | the link swallows every byte for 5 s |
 | ``link_delay`` | escalated, local | 300 ms added each way for 8 s |
 | ``edged_kill`` | local at edged, escalated | SIGKILL edged, restart: pinned KV read back from disk |
-| ``disk_faults`` | at cloudd, new prompts | the disk tier's writes fail (its directory turns into a file), then every page file is torn in half |
+| ``disk_faults`` | at cloudd, new prompts | the disk tier's writes fail (its directory turns into a file); then every page file is torn in half and cloudd restarted, and the same prompts come again |
 | ``overload`` | 10 plans a second for 8 s, deadlines 4-10 s | ten times the soak's base rate of one plan a second |
 """
 
@@ -79,8 +79,9 @@ def _kill_edged(fleet: Fleet, traffic: Traffic) -> None:
 
 
 def _disk_faults(fleet: Fleet, traffic: Traffic) -> None:
-    """Writes fail while new prompts come in (their pages cannot be spilled), then every page on
-    disk is torn in half while plans that may read them come in."""
+    """Writes fail while new prompts come in (their pages cannot be spilled); then every page on
+    disk is torn in half and cloudd restarted (its device and host tiers empty), so that the
+    same prompts again must read the torn pages, find them torn and recompute."""
     aside = fleet.disk_dir.with_name("kv-disk-aside")
     fleet.disk_dir.rename(aside)
     fleet.disk_dir.write_text("not a directory: every page write fails")
@@ -89,9 +90,11 @@ def _disk_faults(fleet: Fleet, traffic: Traffic) -> None:
     time.sleep(6.0)
     fleet.disk_dir.unlink()
     aside.rename(fleet.disk_dir)
-    torn = _tear_pages(fleet.disk_dir)
-    fleet.torn_pages += torn
-    for i, robot in enumerate(fleet.direct_robots):
+    traffic.join()
+    fleet.torn_pages += _tear_pages(fleet.disk_dir)
+    fleet.cloudd.terminate()
+    fleet.start_cloudd()
+    for i, robot in enumerate(fleet.direct_robots):  # prompts whose pages were on disk, now torn
         traffic.send(PlanAsk(robot, TASKS[i % len(TASKS)], deadline_ms=60_000))
 
 

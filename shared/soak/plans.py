@@ -80,11 +80,15 @@ class Traffic:
         self._threads.append(thread)
         return outcome
 
-    def wait(self) -> list[Outcome]:
+    def join(self) -> None:
         """Wait for every request's answer (bounded by its deadline, or ``NO_DEADLINE_CAP_S``)."""
         for thread, outcome in zip(self._threads, self.outcomes, strict=True):
             deadline_s = outcome.ask.deadline_ms / 1000 + LATE_MARGIN_S if outcome.ask.deadline_ms else NO_DEADLINE_CAP_S
             thread.join(max(0.0, outcome.sent_at + deadline_s + 30.0 - time.monotonic()))
+
+    def wait(self) -> list[Outcome]:
+        """``join``, then hand over every outcome so far (the next ``wait`` starts afresh)."""
+        self.join()
         done, self.outcomes, self._threads = self.outcomes, [], []
         return done
 

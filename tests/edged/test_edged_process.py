@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from robot_sdk import PlanClient, PlanDone, PlanStepEvent, PlanText
 from shared.daemon_process import DaemonProcess
 from shared.engine.grammar.response_format import fleet_plan_format
-from shared.protocol.messages import ChatMessage, ErrorCode, Escalation, Generate, Result, Sampling, Source
+from shared.protocol.codec import decode, encode
+from shared.protocol.messages import (Cancel, ChatMessage, Chunk, Error, ErrorCode, Escalation, Generate, Health, Message,
+                                      Result, Sampling, Source)
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve, create_keys
 
@@ -166,6 +169,51 @@ def test_a_prompt_past_max_prompt_chars_is_refused_before_it_is_tokenized(client
         client.generate(huge, timeout_s=30)
     assert e.value.code is ErrorCode.INVALID_REQUEST and "max_prompt_chars 262144" in e.value.error.message
     assert client.health(timeout_s=10) == "ok"
+
+
+def _dealer(edge: DaemonProcess) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint(edge, "ipc"))
+    return sock
+
+
+def _final(sock: zmq.Socket) -> Message:
+    while True:
+        assert sock.poll(60_000), "no reply"
+        reply = decode(sock.recv())
+        if not isinstance(reply, Chunk):
+            return reply
+
+
+def test_health_is_answered_while_a_long_prompt_is_tokenized_and_a_retry_then_joins_it(edge):
+    # 200,000 snowmen: 600,000 tokens, a few hundred ms of tokenizing, then refused for the robot's
+    # context and the cloud's alike; meanwhile health, and the same request again, arrive
+    slow = Generate("slow-tok", messages=(ChatMessage("user", "\u2603" * 200_000),), sampling=Sampling(max_tokens=4),
+                    escalation=Escalation.LOCAL)
+    first, second = _dealer(edge), _dealer(edge)
+    try:
+        first.send(encode(slow))
+        first.send(encode(Health()))
+        second.send(encode(slow))  # a retry from another connection while it is being prepared
+        assert decode(first.recv()) == Health("ok")  # before the request's answer: not behind it
+        a, b = _final(first), _final(second)
+        assert isinstance(a, Error) and a.code is ErrorCode.INVALID_REQUEST and a == b
+    finally:
+        first.close(), second.close()
+
+
+def test_a_cancel_while_a_request_is_prepared_ends_it_before_it_runs(edge):
+    slow = Generate("cancel-early", messages=(ChatMessage("user", "go. " * 60_000),), sampling=Sampling(max_tokens=4))
+    sock = _dealer(edge)
+    try:
+        sock.send(encode(slow))
+        sock.send(encode(Cancel("cancel-early")))
+        first, second = _final(sock), _final(sock)
+        assert first == second and isinstance(first, Result) and first.finish_reason == "abort"
+        assert first.usage.completion_tokens == 0
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("idle_s", [0.0, 1.5], ids=["at-once", "after-the-handshake-failed"])

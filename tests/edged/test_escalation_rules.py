@@ -37,6 +37,12 @@ def finished(text: str, logprobs: list[float], reason=FinishReason.STOP) -> Loca
     ({"deadline_ms": 400}, 10, 0.5, EscalationReason.LOCAL_QUEUE),
     ({"deadline_ms": 600}, 10, 0.5, None),
     ({"escalation": Escalation.LOCAL, "tags": ("multi-floor",), "deadline_ms": 1}, 10, 9.0, None),
+    # a prompt with no room left for a token: no local run, whatever was asked (forced local is
+    # then refused); one that fits with its output cut short may still be forced
+    ({"escalation": Escalation.LOCAL}, 1000, 0.5, EscalationReason.CONTEXT),
+    ({"escalation": Escalation.CLOUD}, 1000, 0.5, EscalationReason.CONTEXT),
+    ({"escalation": Escalation.LOCAL, "max_tokens": 900}, 500, 0.5, None),
+    ({"escalation": Escalation.CLOUD, "max_tokens": 900}, 500, 0.5, EscalationReason.REQUESTED),
 ])
 def test_rules_before_running_locally(kw, prompt, wait, expected):
     assert EscalationPolicy(CLOUD, local_context=1000).before(msg(**kw), prompt, wait) is expected
