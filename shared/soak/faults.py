@@ -91,6 +91,8 @@ def _disk_faults(fleet: Fleet, traffic: Traffic) -> None:
     fleet.disk_dir.unlink()
     aside.rename(fleet.disk_dir)
     traffic.join()
+    with fleet.operator() as operator:  # before the restart resets them
+        fleet.disk_write_errors += (operator.stats(timeout_s=10).get("tiers") or {}).get("copy_errors", 0)
     fleet.torn_pages += _tear_pages(fleet.disk_dir)
     fleet.cloudd.terminate()
     fleet.start_cloudd()

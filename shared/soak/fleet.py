@@ -71,6 +71,7 @@ class Fleet:
         self.edged: DaemonProcess | None = None
         self.exits: list[str] = []  # daemons found dead that the harness did not kill
         self.torn_pages = 0  # page files the disk fault tore
+        self.disk_write_errors = 0  # page writes that failed while the disk fault blocked them
 
     # --- configs ---------------------------------------------------------------------------------
 

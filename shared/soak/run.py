@@ -108,7 +108,8 @@ def run_soak(settings: SoakSettings, log=print) -> SoakReport:
         report.crashes = len(fleet.exits)
         report.duplicated, interrupted = _duplicates(fleet)
         report.details = {"exit_codes": codes, "crash_logs": fleet.exits, "interrupted_executions": interrupted,
-                          "torn_pages": fleet.torn_pages, "seconds": round(time.monotonic() - began, 1),
+                          "torn_pages": fleet.torn_pages,
+                          "disk_write_errors": fleet.disk_write_errors, "seconds": round(time.monotonic() - began, 1),
                           "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}}
     return report
 
