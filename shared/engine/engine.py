@@ -41,6 +41,7 @@ from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import SchedulerOutput
 from shared.engine.step_profile import StepProfile, maybe_phase
 from shared.model.checkpoint import load_checkpoint
+from shared.model.fingerprint import weights_fingerprint
 from shared.model.llama import LlamaModel, build_model
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.messages import Priority
@@ -533,7 +534,9 @@ def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,
     num_host_pages = int(hc.host_pool_mb * 2**20) // size
     if num_host_pages < 1:
         raise ValueError(f"[hicache] host_pool_mb {hc.host_pool_mb} holds no page ({size} bytes each)")
-    disk = DiskTier(hc.disk_dir, int(hc.disk_max_mb * 2**20) // size) if hc.disk_dir else None
+    # whose pages these are: the weights, and each layer's KV dtype and block shape (not the pool's size)
+    namespace = repr((weights_fingerprint(runner.model), [(str(k.dtype), tuple(k.shape[1:])) for k, _ in runner.kv_caches]))
+    disk = DiskTier(hc.disk_dir, int(hc.disk_max_mb * 2**20) // size, namespace.encode()) if hc.disk_dir else None
     copier = TierCopier(runner.kv_caches, num_host_pages, disk)
     return HiCache(hc, pool, copier, num_host_pages, disk, recompute_seconds,
                    layerwise=hc.layerwise_for(on_gpu=runner.device.type == "cuda"))

@@ -12,6 +12,8 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.kv.host_pool import HostPagePool
+from shared.model.fingerprint import weights_fingerprint
+from tests.engine.tiny import tiny_model
 
 PAYLOAD = bytes(range(256)) * 4
 
@@ -25,6 +27,21 @@ def test_disk_round_trip_and_restart(tmp_path):
     restarted = DiskTier(tmp_path)
     assert b"a" * 16 in restarted and len(restarted) == 1
     assert not (tmp_path / "61" / "junk.kv.tmp").exists()
+
+
+def test_a_page_another_model_wrote_under_the_same_name_reads_as_a_miss(tmp_path):
+    """Found in review: page names hash tokens only and the digest had no key, so a fine-tune
+    sharing the directory would have had its pages read as this model's KV."""
+    ours, theirs = DiskTier(tmp_path, namespace=b"model A"), DiskTier(tmp_path, namespace=b"model B")
+    theirs.write_file(b"a" * 16, PAYLOAD)
+    assert ours.read_file(b"a" * 16, len(PAYLOAD)) is None  # refused, and deleted
+    ours.write_file(b"a" * 16, PAYLOAD)
+    assert DiskTier(tmp_path, namespace=b"model A").read_file(b"a" * 16, len(PAYLOAD)) == PAYLOAD
+
+
+def test_the_weights_fingerprint_tells_checkpoints_of_one_shape_apart():
+    a, b = tiny_model(seed=1), tiny_model(seed=2)
+    assert weights_fingerprint(a) == weights_fingerprint(tiny_model(seed=1)) != weights_fingerprint(b)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])

@@ -3,7 +3,10 @@
 Identical pages (the same tokens after the same prefix) have the same name, so they are stored
 once, and a restarted daemon finds its pages again by scanning the directory. Each file is
 ``MAGIC | digest(payload) | len(payload) | payload``: a torn or corrupted write fails the digest
-on read, is deleted, and reads as a miss. Files are written to a temporary name and renamed.
+on read, is deleted, and reads as a miss. The digest is keyed by the tier's ``namespace`` (the
+model's weights fingerprint, KV dtype and page shape): page names hash tokens only, so another
+model sharing the directory (a fine-tune of the same shape) writes pages under the same names,
+and unkeyed they would have been read as this model's KV. Files are written to a temporary name and renamed.
 The pages hold the fleet's prompts (as KV), so only the daemon's user may read them: directories
 are 0700 and files 0600. Anything else in the directory (a stray name, a symlink, a broken one)
 is ignored by the start-up scan, never followed.
@@ -27,8 +30,9 @@ _HEADER = struct.Struct("<8s16sQ")  # magic, blake2b-128 of the payload, payload
 SUFFIX = ".kv"
 
 
-def payload_digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def payload_digest(payload: bytes | memoryview, key: bytes = b"") -> bytes:
+    """blake2b-128 of ``payload``, keyed with ``key`` (a tier's namespace key, up to 64 bytes)."""
+    return hashlib.blake2b(payload, digest_size=16, key=key).digest()
 
 
 def _is_page_name(stem: str) -> bool:
@@ -39,13 +43,14 @@ def _is_page_name(stem: str) -> bool:
 class DiskTier:
     """Content-addressed page files under ``directory`` (created if missing)."""
 
-    def __init__(self, directory: Path | str, max_pages: int = 0) -> None:
+    def __init__(self, directory: Path | str, max_pages: int = 0, namespace: bytes = b"") -> None:
         if max_pages < 0:
             raise ValueError(f"max_pages must be >= 0, got {max_pages}")
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory.chmod(0o700)  # also one an operator made with the default 0755
         self.max_pages = max_pages  # 0 = unbounded
+        self._key = hashlib.blake2b(namespace, digest_size=32).digest()  # keys every page's digest
         self._index: OrderedDict[PageHash, None] = OrderedDict()  # oldest first
         self._scan()
 
@@ -98,7 +103,7 @@ class DiskTier:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(_HEADER.pack(MAGIC, payload_digest(payload), len(payload)))
+            f.write(_HEADER.pack(MAGIC, payload_digest(payload, self._key), len(payload)))
             f.write(payload)
         os.replace(tmp, path)
 
@@ -113,7 +118,7 @@ class DiskTier:
         if len(data) == _HEADER.size + expected_len:
             magic, digest, length = _HEADER.unpack_from(data)
             payload = memoryview(data)[_HEADER.size :]
-            if magic == MAGIC and length == expected_len and payload_digest(payload) == digest:
+            if magic == MAGIC and length == expected_len and payload_digest(payload, self._key) == digest:
                 return data[_HEADER.size :]
         path.unlink(missing_ok=True)
         return None
