@@ -63,12 +63,13 @@ class SoakReport:
 
     @property
     def passed(self) -> bool:
-        fuzz_ok = all(d.get("undecodable_replies", 0) == 0 and d["health"]["failures"] == 0
+        fuzz_ok = all(d.get("undecodable_replies", 0) == 0 and d["health"]["over_bound"] == 0
                       and d["resources"]["rss_growth_mb"] <= RSS_BOUND_MB and d["resources"]["thread_growth"] <= 2
                       and d["resources"]["fd_growth"] <= 2 for name, d in self.fuzz.items() if name != "http")
         faults_ok = all(f["kv_check"] == "ok" and f["prefix_exact"] for f in self.faults.values())
-        http_ok = not self.fuzz.get("http") or (self.fuzz["http"]["server_errors"] == 0
-                                                and self.fuzz["http"]["answered_after_idle"])
+        http = self.fuzz.get("http")
+        http_ok = not http or (http["server_errors"] == 0 and http["answered_after_idle"]
+                               and http["slow_closed_by_server"] == http["slow_sent"] and http["health"]["over_bound"] == 0)
         return fuzz_ok and faults_ok and http_ok and not (self.crashes or self.lost or self.duplicated or self.late)
 
     def as_dict(self) -> dict:
