@@ -435,3 +435,45 @@ def test_stats_check_the_kv_pool_when_idle_and_name_a_leaked_block(server, peer)
     finally:
         pool.decref(leaked)
     assert server.snapshot()["kv_check"] == "ok"
+
+
+# --- preparing (tokenizing, grammar checks) beside the engine's thread -----------------------------
+
+
+def _slow_prepare(server: CloudServer, slow_first_token: int, seconds: float) -> None:
+    """Make preparing prompts that start with ``slow_first_token`` take ``seconds``."""
+    prepare = server.engine.prepare
+
+    def slow(prompt, response_format=None):
+        if prompt and prompt[0] == slow_first_token:
+            time.sleep(seconds)
+        return prepare(prompt, response_format)
+
+    server.engine.prepare = slow
+
+
+def test_while_one_prompt_is_prepared_others_run_and_a_retry_joins_it():
+    with running_server() as srv:
+        _slow_prepare(srv, 96, 1.0)
+        slow, fast, retry = Peer(srv.endpoint), Peer(srv.endpoint), Peer(srv.endpoint)
+        slow.send(gen("prep-slow", max_tokens=3, prompt=(96, *PROMPT)))
+        retry.send(gen("prep-slow", max_tokens=3, prompt=(96, *PROMPT)))  # joins the one being prepared
+        fast.send(gen("prep-fast", max_tokens=3))
+        _, fast_result = fast.until_result()
+        assert isinstance(fast_result, Result) and "prep-slow" in srv._preparing  # done while the other prepares
+        (_, a), (_, b) = slow.until_result(), retry.until_result()
+        assert isinstance(a, Result) and a == b and srv.snapshot()["totals"]["requests"] == 2
+        for p in (slow, fast, retry):
+            p.close()
+
+
+def test_a_cancel_while_a_request_is_prepared_ends_it_before_it_runs():
+    with running_server() as srv:
+        _slow_prepare(srv, 96, 1.0)
+        peer = Peer(srv.endpoint)
+        peer.send(gen("prep-cancel", max_tokens=3, prompt=(96, *PROMPT)))
+        peer.send(Cancel("prep-cancel"))
+        first, second = peer.recv(), peer.recv()
+        assert first == second and isinstance(first, Result) and first.finish_reason == "abort"
+        assert first.usage.completion_tokens == 0 and srv.snapshot()["totals"]["requests"] == 0
+        peer.close()
