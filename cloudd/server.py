@@ -5,11 +5,9 @@ The front thread decodes every incoming message: it answers ``health`` itself at
 client's heartbeat is answered even while a long engine step runs) and every malformed message
 with an ``error``, and passes the rest to the engine thread over an ``inproc`` pair; it relays
 the engine thread's replies back to their clients. Each turn of the engine loop reads every
-message waiting and answers it, admits the ``generate`` requests the preparing thread has
-tokenized and checked (``Engine.prepare``: a long prompt or a new grammar never holds the
-steps), runs one engine step if there is work, and sends each delta to the requests'
-subscribers. Nothing else touches the engine's state (``prepare`` reads only the tokenizer, the
-model's config and xgrammar's parser), so it needs no lock. The HTTP front end (``cloudd.http_api``) is a protocol client of
+message waiting, answers it (or queues a ``generate`` in the engine), runs one engine step if
+there is work, and sends each delta to the requests' subscribers. Nothing else touches the
+engine, so it needs no lock. The HTTP front end (``cloudd.http_api``) is a protocol client of
 this server over ``inproc``.
 
 Bad input never stops the loop: undecodable bytes, wrong versions, unknown types, bad field
@@ -23,19 +21,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import zmq
 
 from cloudd.metrics import ServerMetrics
 from cloudd.quota import QuotaConfig, RobotQuotas
 from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
-from shared.engine.engine import DeadlineUnmeetable, Engine, PreparedPrompt, TokenDelta
+from shared.engine.engine import DeadlineUnmeetable, Engine, TokenDelta
 from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.codec import ProtocolError, decode, encode
@@ -59,7 +54,6 @@ from shared.transport.loopback import is_loopback
 from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
-PREPARE_THREADS = 4  # tokenizing runs without the interpreter lock: threads overlap
 
 
 @dataclass(frozen=True)
@@ -121,18 +115,6 @@ class ServeConfig:
                              "holders of the fleet's API keys get in")
 
 
-@dataclass
-class Preparing:
-    """A ``generate`` being tokenized and checked beside the engine's thread: who asked (a retry
-    meanwhile joins), who cancelled it meanwhile."""
-
-    msg: Generate
-    params: SamplingParams
-    received: float
-    identities: list[bytes]
-    cancelled_by: list[bytes] = field(default_factory=list)
-
-
 class CloudServer:
     def __init__(self, engine: Engine, config: ServeConfig, model_name: str, context: zmq.Context | None = None):
         self.engine = engine
@@ -148,13 +130,6 @@ class CloudServer:
         # the front thread's: one bucket of frames per sender
         self._frame_quota = RobotQuotas(QuotaConfig(requests_per_s=config.frames_per_s, burst=config.frames_burst))
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
-        # the preparing threads: tokenizing and grammar checks, off the engine's thread; more than
-        # one, so that one robot's long prompt does not queue the next robot's short one
-        self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="cloudd-prepare")
-        self._preparing: dict[str, Preparing] = {}
-        self._prepared: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()  # the preparing thread wakes the engine's loop
-        os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._draining = False
         self._turn_began: float | None = None  # when the engine thread's current turn began (None: idle)
@@ -203,9 +178,6 @@ class CloudServer:
         """Run until ``stop()``, then drain; closes the sockets on return."""
         front = threading.Thread(target=self._front, name="cloudd-front", daemon=True)
         front.start()
-        poller = zmq.Poller()
-        poller.register(self._engine_pipe, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         grace_ends: float | None = None
         try:
             while True:
@@ -213,21 +185,13 @@ class CloudServer:
                     self._draining = True
                     grace_ends = time.monotonic() + self.config.shutdown_grace_s
                     log.info("draining: %d requests live", len(self._requests))
-                live = self._requests or self._preparing
-                if grace_ends is not None and (not live or time.monotonic() >= grace_ends):
-                    for pending in list(self._preparing.values()):
-                        self._answer_unstarted(pending, Error(ErrorCode.REJECTED, "server shutting down",
-                                                              pending.msg.request_id))
-                    self._preparing.clear()
+                if grace_ends is not None and (not self._requests or time.monotonic() >= grace_ends):
                     self._cancel_all("server shutting down")
                     return
                 busy = self.engine.has_unfinished
-                events = dict(poller.poll(0 if busy else self.config.idle_poll_ms))
+                ready = self._engine_pipe.poll(0 if busy else self.config.idle_poll_ms)
                 self._turn_began = time.monotonic()
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
-                self._admit_prepared()
-                if self._engine_pipe in events:
+                if ready:
                     self._read_all()
                 if self.engine.has_unfinished:
                     self._step()
@@ -237,9 +201,6 @@ class CloudServer:
             self._front_done.set()
             front.join()
             self._engine_pipe.close()
-            self._preparer.shutdown(wait=False, cancel_futures=True)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
             self.executions.close()
 
     def _front(self) -> None:
@@ -364,102 +325,38 @@ class CloudServer:
                                 getattr(msg, "request_id", None))
 
     def _on_generate(self, identity: bytes, msg: Generate) -> None:
-        """Cheap checks here; tokenizing and the grammar's checks on the preparing thread (a
-        long prompt or a new grammar never holds the steps), then ``_admit``. A retry while its
-        request is being prepared joins it."""
-        rid = msg.request_id
-        entry = self.ledger.get(rid)
+        entry = self.ledger.get(msg.request_id)
         if entry is not None:
             for reply in entry.rejoin(identity, msg):
                 self._send(identity, reply)
-            return
-        pending = self._preparing.get(rid)
-        if pending is not None:
-            if pending.msg.fingerprint() != msg.fingerprint():
-                self._send(identity, Error(ErrorCode.INVALID_REQUEST,
-                                           f"request_id {rid!r} is in use by a different request", rid))
-            elif identity not in pending.identities:
-                pending.identities.append(identity)
             return
         reject = self._admission_error(msg)
         if reject is not None:
             self._reject(identity, msg, reject)
             return
         try:
-            params = SamplingParams.from_wire(msg.sampling)
-        except ValueError as e:
-            self._reject(identity, msg, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
-            return
-        self._preparing[rid] = Preparing(msg, params, time.monotonic(), [identity])
-        prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
-        future = self._preparer.submit(self.engine.prepare, prompt, msg.response_format)
-        future.add_done_callback(lambda done: self._on_prepared(rid, done))
-
-    def _on_prepared(self, rid: str, done: Future) -> None:
-        """The preparing thread: hand the outcome to the engine's thread and wake it."""
-        self._prepared.put((rid, done))
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is pending already (or the server has stopped)
-
-    def _admit_prepared(self) -> None:
-        while True:
-            try:
-                rid, done = self._prepared.get_nowait()
-            except queue.Empty:
-                return
-            pending = self._preparing.pop(rid, None)
-            if pending is not None:  # None: answered already (a shutdown)
-                self._admit(pending, done)
-
-    def _admit(self, pending: Preparing, done: Future) -> None:
-        msg, rid = pending.msg, pending.msg.request_id
-        try:
-            prepared: PreparedPrompt = done.result()
-        except ValueError as e:
-            return self._answer_unstarted(pending, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
-        except Exception as e:  # a bug preparing one request must not take the server down
-            log.exception("failed to prepare a request")
-            return self._answer_unstarted(pending, Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}", rid))
-        if pending.cancelled_by:
-            return self._answer_unstarted(pending, Result(rid, "", FinishReason.ABORT.value,
-                                                          Usage(len(prepared.token_ids), 0), detail="cancelled"))
-        deadline_s = None
-        if msg.deadline_ms is not None:  # it counts from when the request arrived
-            deadline_s = msg.deadline_ms / 1000 - (time.monotonic() - pending.received)
-            if deadline_s <= 0:
-                return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, "the deadline passed while the "
-                                                             "prompt was being prepared", rid))
-        try:
-            self.engine.submit(prepared, pending.params, rid, buffered=False, priority=msg.priority,
-                               robot_id=msg.robot_id, deadline_s=deadline_s)
+            prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
+            self.engine.submit(
+                prompt, SamplingParams.from_wire(msg.sampling), msg.request_id, buffered=False, priority=msg.priority,
+                robot_id=msg.robot_id, deadline_s=None if msg.deadline_ms is None else msg.deadline_ms / 1000,
+                response_format=msg.response_format,
+            )
         except DeadlineUnmeetable as e:
-            return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, str(e), rid))
+            self._reject(identity, msg, Error(ErrorCode.DEADLINE, str(e), msg.request_id))
+            return
         except ValueError as e:
-            return self._answer_unstarted(pending, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
-        self._requests[rid] = self.engine.get_request(rid)
-        entry = self.ledger.open(msg, pending.identities[0])
-        for identity in pending.identities[1:]:
-            entry.subscribe(identity)
-        self.executions.started(rid)
+            self._reject(identity, msg, Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id))
+            return
+        self._requests[msg.request_id] = self.engine.get_request(msg.request_id)
+        self.ledger.open(msg, identity)
+        self.executions.started(msg.request_id)
         self.monitor.on_submit(msg.robot_id)
-
-    def _answer_unstarted(self, pending: Preparing, reply: Error | Result) -> None:
-        """Answer a request that never ran: its senders, and those who cancelled it meanwhile."""
-        first, *rest = pending.identities + pending.cancelled_by
-        if isinstance(reply, Error):
-            self._reject(first, pending.msg, reply)
-        else:
-            self._send(first, reply)
-        for identity in rest:
-            self._send(identity, reply)
 
     def _admission_error(self, msg: Generate) -> Error | None:
         if self._draining:
             return Error(ErrorCode.REJECTED, "server is shutting down", msg.request_id)
         queued = self.engine.scheduler
-        if len(queued.waiting) + len(queued.awaiting_grammar) + len(self._preparing) >= self.config.max_waiting:
+        if len(queued.waiting) + len(queued.awaiting_grammar) >= self.config.max_waiting:
             return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_waiting} requests waiting", msg.request_id)
         if self.quotas.config.enabled and (wait := self.quotas.charge(msg.robot_id, msg.sampling.max_tokens)) > 0:
             if math.isinf(wait):
@@ -475,10 +372,6 @@ class CloudServer:
         self._send(identity, error)
 
     def _on_cancel(self, identity: bytes, caller: Caller, msg: Cancel) -> None:
-        pending = self._preparing.get(msg.request_id)
-        if pending is not None and (caller.robot is None or pending.msg.robot_id == caller.robot):
-            pending.cancelled_by.append(identity)  # answered (abort) once it is prepared
-            return
         entry = self.ledger.get(msg.request_id)
         if entry is None or (caller.robot is not None and entry.robot_id != caller.robot):
             self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))

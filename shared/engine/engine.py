@@ -23,7 +23,7 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import MaskBatch
-from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
+from shared.engine.grammar.response_format import grammar_spec
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hashed import HashedBlockIndex
@@ -57,15 +57,6 @@ log = logging.getLogger(__name__)
 
 class DeadlineUnmeetable(ValueError):
     """The request's deadline is sooner than its estimated first token: rejected at submit."""
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A prompt tokenized and its ``response_format`` checked (``Engine.prepare``): ``submit``
-    takes it in place of the prompt and does neither again."""
-
-    token_ids: list[int]
-    spec: GrammarSpec | None
 
 
 @dataclass(frozen=True)
@@ -178,19 +169,9 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def prepare(self, prompt: Sequence[int] | Messages | str, response_format: Mapping | None = None) -> PreparedPrompt:
-        """Tokenize ``prompt`` and check ``response_format``; ValueError naming the problem (a bad
-        format, an over-long text, token ids outside the vocabulary). Safe on any thread (it
-        reads the tokenizer, the model's config and xgrammar's parser only): a daemon runs it
-        beside the engine's thread, so that tokenizing a long prompt never holds the steps."""
-        spec = grammar_spec(response_format) if response_format is not None else None
-        if spec is not None:
-            self.grammar_compiler.validate(spec)
-        return PreparedPrompt(self._tokenize(prompt), spec)
-
     def submit(
         self,
-        prompt: Sequence[int] | Messages | str | PreparedPrompt,
+        prompt: Sequence[int] | Messages | str,
         sampling: SamplingParams = SamplingParams(),
         request_id: str | None = None,
         buffered: bool = True,
@@ -199,8 +180,8 @@ class Engine:
         deadline_s: float | None = None,
         response_format: Mapping | None = None,
     ) -> str:
-        """Queue a request: token ids, a plain string, chat messages (rendered with the model's
-        chat template), or what ``prepare`` made of one (then ``response_format`` is ignored). Raises ValueError for an empty or over-long prompt, an id in
+        """Queue a request: token ids, a plain string, or chat messages (rendered with the
+        model's chat template). Raises ValueError for an empty or over-long prompt, an id in
         use, or text without a tokenizer, and ``DeadlineUnmeetable`` when ``deadline_s``
         (seconds from now by which it must finish) is sooner than the estimated first token
         given the work queued ahead of it. A request that starts in time but does not finish
@@ -218,12 +199,13 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare(prompt, response_format)
-        spec = prepared.spec
+        spec = grammar_spec(response_format) if response_format is not None else None
+        if spec is not None:
+            self.grammar_compiler.validate(spec)
         now = self.clock()
         req = Request(
             request_id=rid,
-            prompt_token_ids=prepared.token_ids,
+            prompt_token_ids=self._tokenize(prompt),
             sampling=sampling,
             arrival_seq=next(self._seq),
             arrival_time=now,
