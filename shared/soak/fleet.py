@@ -17,9 +17,11 @@ from pathlib import Path
 
 from cloudd.api_keys import make_key
 from robot_sdk import PlanClient
+from robot_sdk.prompt import system_prompt
+from robot_sdk.skills import as_skills
 from shared.daemon_process import DaemonProcess
 from shared.soak.link_proxy import LinkProxy
-from shared.soak.plans import SKILLS
+from shared.soak.plans import MAX_STEPS, SKILLS
 from shared.transport.client import ClientConfig, FleetClient
 from shared.transport.curve import ClientCurve, create_keys
 
@@ -106,9 +108,7 @@ precompile = ["fleet-plan"]
 
     def _write_edged_config(self) -> Path:
         t = self.tuning
-        client = PlanClient(self.edged_endpoint, robot_id=EDGE_ROBOT)
-        pinned = client.system_prompt(SKILLS, max_steps=3)
-        client.close()
+        pinned = system_prompt(as_skills(SKILLS), None, MAX_STEPS, None)  # what PlanClient.plan sends
         path = self.root / "edged.toml"
         path.write_text(f"""
 [backend]

@@ -20,6 +20,7 @@ from robot_sdk.errors import PlanError
 from robot_sdk.skills import Skill
 from shared.engine.grammar.response_format import AMR_SKILLS
 
+MAX_STEPS = 3  # steps per plan: edged pins the system prompt for exactly this
 LATE_MARGIN_S = 1.0  # past a deadline: robot_sdk's own 0.5 s grace, plus scheduling slack
 NO_DEADLINE_CAP_S = 240.0  # a request without a deadline that has no answer by then is lost
 SCENE = ("Scene: Robot amr. Battery 58 percent. Current location: charging dock 2. "
@@ -51,6 +52,11 @@ class Outcome:
     sent_at: float
     answered_at: float | None = None
     answer: str | None = None  # "plan:<source>[:degraded]" or the typed error's class name
+
+    @property
+    def kind(self) -> str:
+        """The answer without its details: "plan", a typed error's name, "lost" or "none"."""
+        return self.answer.split(":")[0] if self.answer else "none"
 
     @property
     def late(self) -> bool:
@@ -96,7 +102,7 @@ class Traffic:
     def _run(client: PlanClient, outcome: Outcome) -> None:
         ask = outcome.ask
         try:
-            plan = client.plan(ask.task, scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=ask.max_tokens,
+            plan = client.plan(ask.task, scene=SCENE, skills=SKILLS, max_steps=MAX_STEPS, max_tokens=ask.max_tokens,
                                priority=ask.priority, deadline_ms=ask.deadline_ms, tags=list(ask.tags),
                                request_id=outcome.request_id)
             answer = f"plan:{plan.source}" + (":degraded" if plan.degraded else "")

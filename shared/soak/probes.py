@@ -58,7 +58,7 @@ class HealthWatch:
                 "bound_ms": HEALTH_BOUND_MS}
 
     def _run(self) -> None:
-        socket = self._connect()
+        socket = dealer(self.endpoint, self.curve)
         try:
             while not self._stop.wait(self.every_s):
                 began = time.monotonic()
@@ -68,17 +68,23 @@ class HealthWatch:
                 else:
                     self.failures += 1
                     socket.close(0)
-                    socket = self._connect()
+                    socket = dealer(self.endpoint, self.curve)
         finally:
             socket.close(0)
 
-    def _connect(self) -> zmq.Socket:
-        socket = zmq.Context.instance().socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.apply(socket)
-        socket.connect(self.endpoint)
-        return socket
+
+def dealer(endpoint: str, curve: ClientCurve | None = None, unbounded: bool = False) -> zmq.Socket:
+    """A raw DEALER at ``endpoint`` (CURVE with ``curve``), dropped at once when closed;
+    ``unbounded``: no high-water marks (a fuzzer that keeps hundreds of frames in flight)."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if unbounded:
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        curve.apply(socket)
+    socket.connect(endpoint)
+    return socket
 
 
 def resources_dict(before: ProcessResources, after: ProcessResources) -> dict:

@@ -155,7 +155,7 @@ def _fault_entry(fleet: Fleet, outcomes: list[Outcome], probe: dict, seconds: fl
     again = _probe(fleet)
     edge_stats = _edge_stats(fleet)
     return {
-        "requests": len(outcomes), "answers": dict(Counter(o.answer.split(":")[0] if o.answer else "none" for o in outcomes)),
+        "requests": len(outcomes), "answers": dict(Counter(o.kind for o in outcomes)),
         "sources": dict(Counter(o.answer for o in outcomes if o.answer and o.answer.startswith("plan"))),
         "lost": sum(o.lost for o in outcomes), "late": sum(o.late for o in outcomes),
         "kv_check": kv_check, "prefix_exact": again["text"] == probe["text"],
@@ -187,7 +187,7 @@ def _account(report: SoakReport, outcomes: list[Outcome]) -> None:
     report.requests += len(outcomes)
     report.lost += sum(o.lost for o in outcomes)
     report.late += sum(o.late for o in outcomes)
-    report.answers.update(o.answer.split(":")[0] if o.answer else "none" for o in outcomes)
+    report.answers.update(o.kind for o in outcomes)
 
 
 def _duplicates(fleet: Fleet) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import zmq
 from shared.protocol.codec import ProtocolError, decode
 from shared.protocol.messages import Chunk, Error
 from shared.soak.fuzz_frames import FrameSource
+from shared.soak.probes import dealer
 from shared.transport.curve import ClientCurve
 
 
@@ -43,7 +44,7 @@ def fuzz_socket(endpoint: str, source: FrameSource, frames: int, curve: ClientCu
                 window: int = 512, quiet_s: float = 2.0, time_limit_s: float = 600.0) -> SocketFuzzCounts:
     """Send ``frames`` frames from ``source`` (fewer if ``time_limit_s`` runs out) and count."""
     counts = SocketFuzzCounts()
-    socket = _connect(endpoint, curve)
+    socket = dealer(endpoint, curve, unbounded=True)
     outstanding = 0
     began = time.monotonic()
     last_reply = began
@@ -98,14 +99,3 @@ def _read_replies(socket: zmq.Socket, counts: SocketFuzzCounts, timeout_ms: int)
             continue
         counts.replies[f"error:{reply.code.value}" if isinstance(reply, Error) else reply.TYPE] += 1
         finals += 1
-
-
-def _connect(endpoint: str, curve: ClientCurve | None) -> zmq.Socket:
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    if curve is not None:
-        curve.apply(socket)
-    socket.connect(endpoint)
-    return socket
