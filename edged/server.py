@@ -52,7 +52,7 @@ from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
 )
 from shared.transport.execution_log import ExecutionLog
-from shared.transport.ledger import LedgerEntry, RequestLedger
+from shared.transport.ledger import LedgerEntry, RequestLedger, id_in_use
 from shared.transport.loopback import is_local_endpoint
 from shared.transport.router import incoming, router_socket, send_nowait
 
@@ -280,8 +280,7 @@ class EdgeServer:
         pending = self._admitting.get(rid)
         if pending is not None:
             if pending.msg.fingerprint() != msg.fingerprint():
-                self._send(identity, Error(ErrorCode.INVALID_REQUEST,
-                                           f"request_id {rid!r} is in use by a different request", rid))
+                self._send(identity, id_in_use(rid))
             elif identity not in pending.identities:
                 pending.identities.append(identity)
             return

@@ -53,7 +53,7 @@ def _local_at_edge(fleet: Fleet) -> list[PlanAsk]:
 
 
 def _kill_cloudd(fleet: Fleet, traffic: Traffic) -> None:
-    fleet.kill(fleet.cloudd)
+    fleet.cloudd.kill()
     time.sleep(1.0)
     fleet.start_cloudd()
 
@@ -73,7 +73,7 @@ def _link(mode: LinkMode, seconds: float, delay_s: float = 0.0) -> Callable[[Fle
 
 
 def _kill_edged(fleet: Fleet, traffic: Traffic) -> None:
-    fleet.kill(fleet.edged)
+    fleet.edged.kill()
     time.sleep(0.5)
     fleet.start_edged()
 

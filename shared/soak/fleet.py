@@ -1,7 +1,7 @@
 """The fleet the soak harness runs: a real ``cloudd serve`` and ``edged serve`` on loopback, CURVE
 on, edged's cloud link through a ``LinkProxy``, with keys, configs, journals and disk tiers under
 one temporary directory. It can kill, freeze, thaw and restart either daemon on the same
-addresses.
+addresses (SIGKILL is ``DaemonProcess.kill``).
 
 Robots: ``direct_robots`` talk to cloudd with their own keys; ``EDGE_ROBOT`` is edged's key (its
 escalations); ``FUZZ_ROBOT`` is the fuzzer's key (an insider: authorized, and hostile); the
@@ -145,11 +145,6 @@ text = '''{pinned}'''
     def start_edged(self) -> None:
         self.edged = DaemonProcess("edged", ["serve", "--config", str(self._edged_config)], ready="edged ready:",
                                    timeout_s=600)
-
-    def kill(self, daemon: DaemonProcess) -> None:
-        """SIGKILL (no goodbye, no flush): what a power cut or the OOM killer does."""
-        daemon.proc.send_signal(signal.SIGKILL)
-        daemon.proc.wait()
 
     def freeze(self, daemon: DaemonProcess) -> None:
         daemon.proc.send_signal(signal.SIGSTOP)

@@ -54,13 +54,17 @@ class LedgerEntry:
         under the id gets an ``invalid_request`` error and changes nothing.
         """
         if self.fingerprint != _digest(retry):
-            return [Error(ErrorCode.INVALID_REQUEST,
-                          f"request_id {retry.request_id!r} is in use by a different request", retry.request_id)]
+            return [id_in_use(retry.request_id)]
         self.subscribe(identity)
         replies: list[Message] = list(self.chunks[retry.resume_from:]) if self.stream else []
         if self.result is not None:
             replies.append(self.result)
         return replies
+
+
+def id_in_use(request_id: str) -> Error:
+    """The answer to a request under an id that another request holds."""
+    return Error(ErrorCode.INVALID_REQUEST, f"request_id {request_id!r} is in use by a different request", request_id)
 
 
 class RequestLedger:
