@@ -177,7 +177,8 @@ def _summary_lines(snap: Snapshot) -> list[tuple[str, str]]:
         ("E2E", fmt_p50_p99(lat.get("e2e_s"))),
         ("queue wait", fmt_p50_p99(lat.get("queue_s"))),
         ("requests", f"{fmt(tot.get('requests'))} admitted · {fmt(tot.get('completed'))} completed"
-                     f" · {fmt(tot.get('rejected'))} rejected · {fmt(tot.get('cancelled'))} cancelled"),
+                     f" · {fmt(tot.get('rejected'))} rejected · {fmt(tot.get('cancelled'))} cancelled"
+                     f" · {fmt(tot.get('error'))} failed"),
         ("deadlines", f"{fmt(tot.get('deadline'))} requests ended by their deadline"),
         ("output", f"{fmt(tot.get('output_tokens'), ',')} tokens"),
     ]

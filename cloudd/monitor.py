@@ -19,7 +19,7 @@ snapshot it builds is plain data (msgpack-able), with this shape::
      "latency": {"ttft_s": {"p50", "p99"}, "tpot_s": {...}, "e2e_s": {...}, "queue_s": {...}},
      "by_priority": {"<class>": {"requests": int, "ttft_s": {"p50", "p99"}, ...}, ...},  # recent window
      "totals": {"requests": int, "completed": int, "rejected": int, "cancelled": int,
-                "deadline": int, "output_tokens": int},
+                "deadline": int, "error": int, "output_tokens": int},  # error: failed in the engine
      "robots": [{"robot_id", "requests", "live", "output_tokens", "ttft_p50_s", "ttft_p99_s",
                  "last_seen_s"}, ...],            # slowest (p99 TTFT) first
      "running": [{"request_id", "robot_id", "priority", "state", "prompt_tokens",
@@ -201,7 +201,7 @@ class FleetMonitor:
                 if (rs := [r for r in self.recent if r.priority == p.value])
             },
             "totals": {k: self.totals[k] for k in ("requests", "completed", "rejected", "cancelled", "deadline",
-                                                    "output_tokens")},
+                                                    "error", "output_tokens")},
             "robots": self._robots(live, now),
             "running": [self._live_row(r, engine_now) for r in sorted(live, key=lambda r: r.arrival_time)],
             "recent": [

@@ -5,10 +5,12 @@ The front thread decodes every incoming message: it answers ``health`` itself at
 client's heartbeat is answered even while a long engine step runs) and every malformed message
 with an ``error``, and passes the rest to the engine thread over an ``inproc`` pair; it relays
 the engine thread's replies back to their clients. Each turn of the engine loop reads every
-message waiting, answers it (or queues a ``generate`` in the engine), runs one engine step if
-there is work, and sends each delta to the requests' subscribers. Nothing else touches the
-engine, so it needs no lock. The HTTP front end (``cloudd.http_api``) is a protocol client of
-this server over ``inproc``.
+message waiting and answers it, admits the ``generate`` requests the preparing thread has
+tokenized and checked (``Engine.prepare``, ``shared.transport.preparing``: a long prompt or a
+new grammar never holds the steps), runs one engine step if there is work, and sends each delta
+to the requests' subscribers. Nothing else touches the engine's state (``prepare`` reads only
+the tokenizer, the model's config and the grammar compiler), so it needs no lock. The HTTP
+front end (``cloudd.http_api``) is a protocol client of this server over ``inproc``.
 
 Bad input never stops the loop: undecodable bytes, wrong versions, unknown types, bad field
 values and unservable requests all get an ``error`` reply with a code; the message that caused
@@ -19,10 +21,12 @@ are rejected, running ones get ``shutdown_grace_s`` to finish, the rest are canc
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import zmq
@@ -30,7 +34,7 @@ import zmq
 from cloudd.metrics import ServerMetrics
 from cloudd.quota import QuotaConfig, RobotQuotas
 from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
-from shared.engine.engine import DeadlineUnmeetable, Engine, TokenDelta
+from shared.engine.engine import DeadlineUnmeetable, Engine, PreparedPrompt, TokenDelta
 from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.codec import ProtocolError, decode, encode
@@ -51,9 +55,15 @@ from shared.transport.curve import OPERATOR, Caller, ClientCurve, ServerCurve
 from shared.transport.execution_log import ExecutionLog
 from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.loopback import is_loopback
+from shared.transport.mailbox import Mailbox
+from shared.transport.preparing import Admitting, Preparer
 from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
+# A generate frame up to this size is prepared on the engine's thread: at most about a millisecond
+# of tokenizing (0.27 ms a KB here) and a few of a new grammar's check; larger ones on the
+# preparing thread, so that they neither hold the steps nor queue the small ones behind them.
+PREPARE_HERE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class CloudServer:
         # the front thread's: one bucket of frames per sender
         self._frame_quota = RobotQuotas(QuotaConfig(requests_per_s=config.frames_per_s, burst=config.frames_burst))
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
+        self.mailbox = Mailbox()  # the preparing thread's outcomes, for the engine's thread
+        self._preparer: Preparer[PreparedPrompt] = Preparer("cloudd-prepare", self.mailbox)
         self._stop = threading.Event()
         self._draining = False
         self._turn_began: float | None = None  # when the engine thread's current turn began (None: idle)
@@ -178,6 +190,9 @@ class CloudServer:
         """Run until ``stop()``, then drain; closes the sockets on return."""
         front = threading.Thread(target=self._front, name="cloudd-front", daemon=True)
         front.start()
+        poller = zmq.Poller()
+        poller.register(self._engine_pipe, zmq.POLLIN)
+        poller.register(self.mailbox.fd, zmq.POLLIN)
         grace_ends: float | None = None
         try:
             while True:
@@ -185,13 +200,18 @@ class CloudServer:
                     self._draining = True
                     grace_ends = time.monotonic() + self.config.shutdown_grace_s
                     log.info("draining: %d requests live", len(self._requests))
-                if grace_ends is not None and (not self._requests or time.monotonic() >= grace_ends):
+                if grace_ends is not None and (not (self._requests or self._preparer)
+                                               or time.monotonic() >= grace_ends):
+                    for pending in self._preparer.drain():
+                        self._answer_unstarted(pending, Error(ErrorCode.REJECTED, "server shutting down",
+                                                              pending.msg.request_id))
                     self._cancel_all("server shutting down")
                     return
                 busy = self.engine.has_unfinished
-                ready = self._engine_pipe.poll(0 if busy else self.config.idle_poll_ms)
+                events = dict(poller.poll(0 if busy else self.config.idle_poll_ms))
                 self._turn_began = time.monotonic()
-                if ready:
+                self.mailbox.run()
+                if self._engine_pipe in events:
                     self._read_all()
                 if self.engine.has_unfinished:
                     self._step()
@@ -201,6 +221,8 @@ class CloudServer:
             self._front_done.set()
             front.join()
             self._engine_pipe.close()
+            self._preparer.close()
+            self.mailbox.close()
             self.executions.close()
 
     def _front(self) -> None:
@@ -282,7 +304,7 @@ class CloudServer:
                 return
             try:
                 caller = self.curve.identify(user_id.decode() or None) if self.curve is not None else OPERATOR
-                self._handle(identity, caller, decode(payload))
+                self._handle(identity, caller, decode(payload), len(payload))
             except ProtocolError as e:
                 self._send(identity, Error(e.code, e.message, e.request_id))
             except Exception as e:  # a bug must not take the fleet's server down
@@ -292,7 +314,7 @@ class CloudServer:
     def _step(self) -> None:
         try:
             deltas = self.engine.step()
-        except Exception:
+        except Exception:  # the scheduler itself failed (a request's own failure ends it alone)
             log.exception("engine step failed: cancelling every live request")
             self._cancel_all("internal error in the engine", ErrorCode.INTERNAL)
             return
@@ -302,7 +324,7 @@ class CloudServer:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _handle(self, identity: bytes, caller: Caller, msg: Message) -> None:
+    def _handle(self, identity: bytes, caller: Caller, msg: Message, size: int) -> None:
         """With CURVE on, a robot acts as itself: its request ids start with its key's name and
         "/" (no robot can take an id another robot will use), its requests carry that name as
         ``robot_id`` whatever they claim (its fairness share and metrics are its own), it may
@@ -314,7 +336,7 @@ class CloudServer:
                     raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r}: robot "
                                         f"{caller.robot!r}'s request ids start with '{caller.robot}/'", msg.request_id)
                 msg = replace(msg, robot_id=caller.robot)
-            self._on_generate(identity, msg)
+            self._on_generate(identity, msg, size)
         elif isinstance(msg, Cancel):
             self._on_cancel(identity, caller, msg)
         elif isinstance(msg, Stats):
@@ -324,39 +346,75 @@ class CloudServer:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.TYPE!r} is a reply, not a request",
                                 getattr(msg, "request_id", None))
 
-    def _on_generate(self, identity: bytes, msg: Generate) -> None:
+    def _on_generate(self, identity: bytes, msg: Generate, size: int) -> None:
+        """Cheap checks here; tokenizing and the grammar's checks here too for a small request
+        (``size``: its frame's bytes), else on the preparing thread; then ``_admit``. A retry of
+        a request already known joins it (running, finished or being prepared)."""
         entry = self.ledger.get(msg.request_id)
-        if entry is not None:
-            for reply in entry.rejoin(identity, msg):
+        joined = entry.rejoin(identity, msg) if entry is not None else self._preparer.rejoin(identity, msg)
+        if joined is not None:
+            for reply in joined:
                 self._send(identity, reply)
             return
         reject = self._admission_error(msg)
+        if reject is None:
+            try:
+                SamplingParams.from_wire(msg.sampling)
+            except ValueError as e:
+                reject = Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id)
         if reject is not None:
             self._reject(identity, msg, reject)
             return
+        prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
+        self._preparer.start(identity, msg, functools.partial(self.engine.prepare, prompt, msg.response_format),
+                             self._admit, here=size <= PREPARE_HERE_BYTES)
+
+    def _admit(self, pending: Admitting, done: Future[PreparedPrompt]) -> None:
+        """Engine thread: queue a prepared request in the engine, or answer why it never runs."""
+        msg, rid = pending.msg, pending.msg.request_id
         try:
-            prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
-            self.engine.submit(
-                prompt, SamplingParams.from_wire(msg.sampling), msg.request_id, buffered=False, priority=msg.priority,
-                robot_id=msg.robot_id, deadline_s=None if msg.deadline_ms is None else msg.deadline_ms / 1000,
-                response_format=msg.response_format,
-            )
-        except DeadlineUnmeetable as e:
-            self._reject(identity, msg, Error(ErrorCode.DEADLINE, str(e), msg.request_id))
-            return
+            prepared = done.result()
         except ValueError as e:
-            self._reject(identity, msg, Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id))
-            return
-        self._requests[msg.request_id] = self.engine.get_request(msg.request_id)
-        self.ledger.open(msg, identity)
-        self.executions.started(msg.request_id)
+            return self._answer_unstarted(pending, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
+        except Exception as e:  # a bug preparing one request must not take the server down
+            log.exception("failed to prepare a request")
+            return self._answer_unstarted(pending, Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}", rid))
+        if pending.cancelled_by:
+            return self._answer_unstarted(pending, Result(rid, "", FinishReason.ABORT.value,
+                                                          Usage(len(prepared.token_ids), 0), detail="cancelled"))
+        deadline_s = pending.deadline_left_s()  # it counts from the request's arrival
+        if deadline_s is not None and deadline_s <= 0:
+            return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, "the deadline passed while the prompt "
+                                                         "was being prepared", rid))
+        try:
+            self.engine.submit(prepared, SamplingParams.from_wire(msg.sampling), rid, buffered=False,
+                               priority=msg.priority, robot_id=msg.robot_id, deadline_s=deadline_s)
+        except DeadlineUnmeetable as e:
+            return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, str(e), rid))
+        except ValueError as e:
+            return self._answer_unstarted(pending, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
+        self._requests[rid] = self.engine.get_request(rid)
+        entry = self.ledger.open(msg, pending.identities[0])
+        for identity in pending.identities[1:]:
+            entry.subscribe(identity)
+        self.executions.started(rid)
         self.monitor.on_submit(msg.robot_id)
+
+    def _answer_unstarted(self, pending: Admitting, reply: Error | Result) -> None:
+        """Answer a request that never ran: its senders, and those who cancelled it meanwhile."""
+        first, *rest = pending.everyone
+        if isinstance(reply, Error):
+            self._reject(first, pending.msg, reply)
+        else:
+            self._send(first, reply)
+        for identity in rest:
+            self._send(identity, reply)
 
     def _admission_error(self, msg: Generate) -> Error | None:
         if self._draining:
             return Error(ErrorCode.REJECTED, "server is shutting down", msg.request_id)
         queued = self.engine.scheduler
-        if len(queued.waiting) + len(queued.awaiting_grammar) >= self.config.max_waiting:
+        if len(queued.waiting) + len(queued.awaiting_grammar) + len(self._preparer) >= self.config.max_waiting:
             return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_waiting} requests waiting", msg.request_id)
         if self.quotas.config.enabled and (wait := self.quotas.charge(msg.robot_id, msg.sampling.max_tokens)) > 0:
             if math.isinf(wait):
@@ -372,6 +430,8 @@ class CloudServer:
         self._send(identity, error)
 
     def _on_cancel(self, identity: bytes, caller: Caller, msg: Cancel) -> None:
+        if self._preparer.cancel(msg.request_id, identity, caller.robot):  # answered (abort) once prepared
+            return
         entry = self.ledger.get(msg.request_id)
         if entry is None or (caller.robot is not None and entry.robot_id != caller.robot):
             self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
@@ -398,7 +458,18 @@ class CloudServer:
             self._finish(entry, self._requests.pop(delta.request_id))
 
     def _finish(self, entry: LedgerEntry, req: Request) -> None:
+        """Send ``req``'s result; one that failed in the engine (finish reason ``error``) is
+        answered ``internal`` instead, and forgotten, so that a retry runs it again."""
         record = RequestRecord.of(req, self.monitor.clock())
+        self.monitor.on_finish(record)
+        self.metrics.on_finish(record)
+        if req.finish_reason is FinishReason.ERROR:
+            self.ledger.discard(req.request_id)
+            self.executions.ended(req.request_id, record.finish_reason)
+            for identity in entry.subscribers:
+                self._send(identity, Error(ErrorCode.INTERNAL, "internal error serving this request (cloudd's log "
+                                           "has the trace); the fleet's other requests go on", req.request_id))
+            return
         result = Result(
             request_id=req.request_id,
             text="".join(entry.text),
@@ -413,8 +484,6 @@ class CloudServer:
         self.executions.ended(req.request_id, result.finish_reason)
         for identity in entry.subscribers:
             self._send(identity, result)
-        self.monitor.on_finish(record)
-        self.metrics.on_finish(record)
 
     def _cancel_all(self, why: str, code: ErrorCode | None = None) -> None:
         """End every live request: with an ``error`` of ``code``, or as cancelled (``abort``)."""

@@ -27,13 +27,11 @@ text is always the answer.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -52,8 +50,10 @@ from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
 )
 from shared.transport.execution_log import ExecutionLog
-from shared.transport.ledger import LedgerEntry, RequestLedger, id_in_use
+from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.loopback import is_local_endpoint
+from shared.transport.mailbox import Mailbox
+from shared.transport.preparing import Admitting, Preparer
 from shared.transport.router import incoming, router_socket, send_nowait
 
 log = logging.getLogger(__name__)
@@ -119,16 +119,6 @@ class Prepared:
 
 
 @dataclass
-class Admitting:
-    """A request being prepared: who asked (a retry meanwhile joins), who cancelled it."""
-
-    msg: Generate
-    received: float
-    identities: list[bytes]
-    cancelled_by: list[bytes] = field(default_factory=list)
-
-
-@dataclass
 class EdgeCounters:
     requests: int = 0
     answered_local: int = 0
@@ -156,10 +146,8 @@ class EdgeServer:
         self.executions = ExecutionLog(config.execution_log)
         self.counters = EdgeCounters()
         self.live: dict[str, EdgeRequest] = {}
-        self._admitting: dict[str, Admitting] = {}  # being prepared (tokenized, validated)
-        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="edged-prepare")
-        self._events: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()
+        self.mailbox = Mailbox()  # the preparing thread's, the local worker's and the cloud link's events
+        self._preparer: Preparer[Prepared] = Preparer("edged-prepare", self.mailbox)
         self._stop = threading.Event()
         self._draining = False
         self.socket = router_socket(self.context)
@@ -177,61 +165,40 @@ class EdgeServer:
     def stop(self) -> None:
         """Drain and return from ``serve_forever`` (safe from any thread or signal handler)."""
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        self.mailbox.wake()
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.mailbox.fd, zmq.POLLIN)
         grace_ends: float | None = None
         try:
             while True:
                 if self._stop.is_set() and grace_ends is None:
                     self._draining = True
                     grace_ends = time.monotonic() + self.config.shutdown_grace_s
-                if grace_ends is not None and (not (self.live or self._admitting) or time.monotonic() >= grace_ends):
-                    for pending in list(self._admitting.values()):
+                if grace_ends is not None and (not (self.live or self._preparer) or time.monotonic() >= grace_ends):
+                    for pending in self._preparer.drain():
                         self._reject_all(pending, Error(ErrorCode.REJECTED, "edged is shutting down",
                                                         pending.msg.request_id))
-                    self._admitting.clear()
                     for req in list(self.live.values()):
                         self._cancel(req)
-                    self._run_events(wait_s=1.0)  # their results
+                    self.mailbox.run(wait_s=1.0, until=lambda: not self.live)  # their results
                     return
                 events = dict(poller.poll(self._poll_ms()))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
-                self._run_events()
+                self.mailbox.run()
                 if self.socket in events:
                     self._read_all()
                 self._check_timers()
                 self.ledger.expire(time.monotonic())
         finally:
-            self._preparer.shutdown(wait=False, cancel_futures=True)
+            self._preparer.close()
             self.worker.stop()
             if self.cloud is not None:
                 self.cloud.close()
             self.socket.close()
             self.executions.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-
-    def post(self, event: Callable[[], None]) -> None:
-        """Run ``event`` on the front thread (any thread may call this)."""
-        self._events.put(event)
-        os.write(self._wake_w, b"x")
-
-    def _run_events(self, wait_s: float = 0.0) -> None:
-        ends = time.monotonic() + wait_s
-        while True:
-            try:
-                event = self._events.get(timeout=max(0.0, ends - time.monotonic())) if wait_s else \
-                    self._events.get_nowait()
-            except queue.Empty:
-                return
-            event()
-            if wait_s and not self.live:
-                wait_s = 0.0
+            self.mailbox.close()
 
     def _poll_ms(self) -> int:
         timers = [r.cloud_give_up for r in self.live.values() if r.cloud_waiting and r.cloud_give_up]
@@ -277,12 +244,10 @@ class EdgeServer:
             for reply in entry.rejoin(identity, msg):
                 self._send(identity, reply)
             return
-        pending = self._admitting.get(rid)
-        if pending is not None:
-            if pending.msg.fingerprint() != msg.fingerprint():
-                self._send(identity, id_in_use(rid))
-            elif identity not in pending.identities:
-                pending.identities.append(identity)
+        joined = self._preparer.rejoin(identity, msg)
+        if joined is not None:
+            for reply in joined:
+                self._send(identity, reply)
             return
         self.counters.requests += 1
         if self._draining:
@@ -294,9 +259,7 @@ class EdgeServer:
         if chars > self.config.max_prompt_chars:
             return self._reject(identity, Error(ErrorCode.INVALID_REQUEST, f"prompt of {chars} characters is over "
                                                 f"max_prompt_chars {self.config.max_prompt_chars}", rid))
-        self._admitting[rid] = Admitting(msg, time.monotonic(), [identity])
-        future = self._preparer.submit(self._prepare, msg)
-        future.add_done_callback(lambda done: self.post(lambda: self._admit(rid, done)))
+        self._preparer.start(identity, msg, functools.partial(self._prepare, msg), self._admit)
 
     def _prepare(self, msg: Generate) -> Prepared:
         """The preparing thread: ValueError for a request that cannot be served."""
@@ -308,11 +271,8 @@ class EdgeServer:
             self.compiler.validate(spec)
         return Prepared(prompt, params, spec)
 
-    def _admit(self, rid: str, done: Future) -> None:
-        pending = self._admitting.pop(rid, None)
-        if pending is None:
-            return  # answered already (a shutdown)
-        msg, first = pending.msg, pending.identities[0]
+    def _admit(self, pending: Admitting, done: Future[Prepared]) -> None:
+        msg, first, rid = pending.msg, pending.identities[0], pending.msg.request_id
         try:
             prepared = done.result()
         except ValueError as e:
@@ -348,7 +308,7 @@ class EdgeServer:
     def _reject_all(self, pending: Admitting, reply: Error | Result) -> None:
         """Answer a request that never ran: its senders, and those who cancelled it meanwhile."""
         self.counters.rejected += isinstance(reply, Error)
-        for identity in pending.identities + pending.cancelled_by:
+        for identity in pending.everyone:
             self._send(identity, reply)
 
     def _reject(self, identity: bytes, error: Error) -> None:
@@ -363,8 +323,8 @@ class EdgeServer:
                        spec=req.spec, deadline=req.deadline)
         req.local = QueuedJob(
             job, req.msg.priority.rank,
-            emit=lambda tokens, text: self.post(lambda: self._on_local_tokens(rid, tokens, text)),
-            done=lambda finished: self.post(lambda: self._on_local_done(rid)),
+            emit=lambda tokens, text: self.mailbox.post(lambda: self._on_local_tokens(rid, tokens, text)),
+            done=lambda finished: self.mailbox.post(lambda: self._on_local_done(rid)),
             queued_at=time.monotonic(),
             estimate_s=self.worker.rate.seconds(len(req.prompt_ids), params.max_tokens),
         )
@@ -410,8 +370,8 @@ class EdgeServer:
             rid = req.msg.request_id
             self.cloud.submit(
                 req.msg, robot_id=self.config.robot_id, deadline_ms=remaining_ms,
-                on_result=lambda result: self.post(lambda: self._on_cloud_result(rid, result)),
-                on_error=lambda error: self.post(lambda: self._on_cloud_error(rid, error)),
+                on_result=lambda result: self.mailbox.post(lambda: self._on_cloud_result(rid, result)),
+                on_error=lambda error: self.mailbox.post(lambda: self._on_cloud_error(rid, error)),
             )
             return
         self._settle(req)
@@ -521,9 +481,7 @@ class EdgeServer:
     # --- cancel, stats ---------------------------------------------------------------------------
 
     def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
-        pending = self._admitting.get(msg.request_id)
-        if pending is not None:  # answered (abort) once it is prepared
-            pending.cancelled_by.append(identity)
+        if self._preparer.cancel(msg.request_id, identity):  # answered (abort) once it is prepared
             return
         entry = self.ledger.get(msg.request_id)
         if entry is None:

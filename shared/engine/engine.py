@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import MaskBatch
-from shared.engine.grammar.response_format import grammar_spec
+from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hashed import HashedBlockIndex
@@ -33,7 +34,7 @@ from shared.engine.kv.prefix_cache import PrefixCache
 from shared.engine.kv.radix import RadixTree
 from shared.engine.kv.tier_stats import TierStats
 from shared.engine.policy import FCFS, SchedulingPolicy
-from shared.engine.request import FinishReason, Request
+from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
@@ -57,6 +58,15 @@ log = logging.getLogger(__name__)
 
 class DeadlineUnmeetable(ValueError):
     """The request's deadline is sooner than its estimated first token: rejected at submit."""
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt tokenized and its ``response_format`` checked (``Engine.prepare``): ``submit``
+    takes it in place of the prompt and does neither again."""
+
+    token_ids: list[int]
+    spec: GrammarSpec | None
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,7 @@ class Engine:
         )
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None  # built on first use (0.2 s)
+        self._grammar_lock = threading.Lock()  # prepare() may build it on a daemon's preparing thread
         self._masks = MaskBatch(model.config.vocab_size)
         self._seq = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -169,9 +180,19 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
 
+    def prepare(self, prompt: Sequence[int] | Messages | str, response_format: Mapping | None = None) -> PreparedPrompt:
+        """Tokenize ``prompt`` and check ``response_format``; ValueError naming the problem (a
+        bad format, an over-long text, token ids outside the vocabulary). Safe on any thread: it
+        reads only the tokenizer, the model's config and the grammar compiler (which locks), so a
+        daemon runs it beside the engine's thread and a long prompt never holds the steps."""
+        spec = grammar_spec(response_format) if response_format is not None else None
+        if spec is not None:
+            self.grammar_compiler.validate(spec)
+        return PreparedPrompt(self._tokenize(prompt), spec)
+
     def submit(
         self,
-        prompt: Sequence[int] | Messages | str,
+        prompt: Sequence[int] | Messages | str | PreparedPrompt,
         sampling: SamplingParams = SamplingParams(),
         request_id: str | None = None,
         buffered: bool = True,
@@ -180,8 +201,9 @@ class Engine:
         deadline_s: float | None = None,
         response_format: Mapping | None = None,
     ) -> str:
-        """Queue a request: token ids, a plain string, or chat messages (rendered with the
-        model's chat template). Raises ValueError for an empty or over-long prompt, an id in
+        """Queue a request: token ids, a plain string, chat messages (rendered with the model's
+        chat template), or what ``prepare`` made of one (``response_format`` is then ignored:
+        the prepared one holds). Raises ValueError for an empty or over-long prompt, an id in
         use, or text without a tokenizer, and ``DeadlineUnmeetable`` when ``deadline_s``
         (seconds from now by which it must finish) is sooner than the estimated first token
         given the work queued ahead of it. A request that starts in time but does not finish
@@ -199,13 +221,12 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        spec = grammar_spec(response_format) if response_format is not None else None
-        if spec is not None:
-            self.grammar_compiler.validate(spec)
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare(prompt, response_format)
+        spec = prepared.spec
         now = self.clock()
         req = Request(
             request_id=rid,
-            prompt_token_ids=self._tokenize(prompt),
+            prompt_token_ids=prepared.token_ids,
             sampling=sampling,
             arrival_seq=next(self._seq),
             arrival_time=now,
@@ -252,7 +273,12 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, sample, apply stop rules. Returns this step's deltas
-        (buffered requests' deltas are also kept for ``stream``/``drain``)."""
+        (buffered requests' deltas are also kept for ``stream``/``drain``).
+
+        A failure serving one request (its grammar's mask or next state, its sampling, its
+        drafts, its detokenizing) ends that request alone with finish reason ``error``, the
+        exception logged; a forward pass that raises ends the requests of its step the same way
+        and leaves the queue to the next step. Only a failure in the scheduler itself raises."""
         profile = self.profile
         with maybe_phase(profile, "schedule"):
             self.scheduler.admit_loaded()
@@ -262,7 +288,11 @@ class Engine:
         if out.is_empty:
             return deltas + self._idle(out)
         started = self.clock()
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception:
+            log.exception("the forward pass failed: ending the %d requests of its step", len(out.chunks))
+            return deltas + self._fail_step(out)
         with maybe_phase(profile, "sampling"):
             sampled_chunks = [c for c in out.chunks if c.sample]
             reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
@@ -275,11 +305,15 @@ class Engine:
                     req.first_token_time = now
             before = [req.num_output_tokens for req in reqs]
             finished = {f.request.request_id: f.reason for f in self.scheduler.update(
-                out, {r.request_id: p for r, p in zip(reqs, picks, strict=True)})}
+                out, {r.request_id: p for r, p in zip(reqs, picks, strict=True) if p is not None})}
+            finished.update((r.request_id, FinishReason.ERROR) for r, p in zip(reqs, picks, strict=True) if p is None)
             self.num_steps += 1
             for req in reqs:
                 if req.request_id not in finished:
-                    self._draft(req)
+                    try:
+                        self._draft(req)
+                    except Exception:
+                        finished[req.request_id] = self._fail(req)
         with maybe_phase(profile, "detokenize"):
             deltas += [
                 self._deliver(req, req.output_token_ids[n:], finished.get(req.request_id),
@@ -318,35 +352,76 @@ class Engine:
         self.profile = self.runner.profile = StepProfile()
         return self.profile
 
-    def _sample(self, logits: torch.Tensor, chunks: list, reqs: list[Request]) -> list[list[Pick]]:
+    def _sample(self, logits: torch.Tensor, chunks: list, reqs: list[Request]) -> list[list[Pick] | None]:
         """The tokens each sampled chunk yields: the one after its newest token, then, while
         each sampled token equals the chunk's next draft, the one after that draft (from the
         logits computed with it). Grammar masks apply to every row sampled; unconstrained rows
-        are untouched. Each token is exactly what token-by-token decoding would sample."""
+        are untouched. Each token is exactly what token-by-token decoding would sample.
+        None for a request whose sampling failed (it has ended, ``error``): when the batch's
+        sampling raises, each row is sampled alone so that only the one at fault ends."""
         starts = list(itertools.accumulate((c.num_logits for c in chunks), initial=0))[:-1]
+        try:
+            firsts: list[Pick | None] = self._sample_firsts(logits, starts, reqs)
+        except Exception:
+            log.exception("sampling a step failed: sampling its %d rows one by one", len(reqs))
+            firsts = [self._sample_alone(logits, start, req) for req, start in zip(reqs, starts, strict=True)]
+        picks: list[list[Pick] | None] = []
+        for chunk, req, start, first in zip(chunks, reqs, starts, firsts, strict=True):
+            try:  # NOTE: a try per row costs nothing until one raises; a call per row would
+                picks.append(None if first is None else self._sample_drafts(logits, chunk, req, start, first))
+            except Exception:
+                self._fail(req)
+                picks.append(None)
+        return picks
+
+    def _sample_alone(self, logits: torch.Tensor, start: int, req: Request) -> Pick | None:
+        try:
+            return self._sample_firsts(logits, [start], [req])[0]
+        except Exception:
+            self._fail(req)
+            return None
+
+    def _sample_firsts(self, logits: torch.Tensor, starts: list[int], reqs: list[Request]) -> list[Pick]:
+        """Each request's token after its newest one (row ``starts[i]``), masked by its grammar;
+        changes no request's state (a failing batch can be sampled again row by row)."""
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
             self._masks.apply(logits, [starts[i] for i in constrained], [reqs[i].grammar for i in constrained])
         # NOTE: without drafts every row is a first row: no copy (advanced indexing of a
         # [256, vocab] tensor costs more than the argmax over it)
         firsts_logits = logits if len(starts) == logits.shape[0] else logits.index_select(0, torch.tensor(starts))
-        firsts = self.sampler.sample(firsts_logits, [r.request_id for r in reqs], [r.sampling for r in reqs])
-        picks = []
-        for chunk, req, start, first in zip(chunks, reqs, starts, firsts, strict=True):
-            tokens = [first]
-            self._accept(req, first[0])
-            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
-            for j, draft in enumerate(drafts):
-                if tokens[-1][0] != draft or (req.grammar is not None and req.grammar.finished):
-                    break
-                row = start + 1 + j
-                if req.grammar is not None:
-                    self._masks.apply(logits, [row], [req.grammar])
-                (pick,) = self.sampler.sample(logits[row : row + 1], [req.request_id], [req.sampling])
-                tokens.append(pick)
-                self._accept(req, pick[0])
-            picks.append(tokens)
-        return picks
+        return self.sampler.sample(firsts_logits, [r.request_id for r in reqs], [r.sampling for r in reqs])
+
+    def _sample_drafts(self, logits: torch.Tensor, chunk, req: Request, start: int, first: Pick) -> list[Pick]:
+        """``first`` accepted by the grammar, then the picks after each draft it confirms."""
+        tokens = [first]
+        self._accept(req, first[0])
+        drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
+        for j, draft in enumerate(drafts):
+            if tokens[-1][0] != draft or (req.grammar is not None and req.grammar.finished):
+                break
+            row = start + 1 + j
+            if req.grammar is not None:
+                self._masks.apply(logits, [row], [req.grammar])
+            (pick,) = self.sampler.sample(logits[row : row + 1], [req.request_id], [req.sampling])
+            tokens.append(pick)
+            self._accept(req, pick[0])
+        return tokens
+
+    def _fail(self, req: Request) -> FinishReason:
+        """In an ``except`` block: log the exception serving ``req`` and end ``req`` alone
+        (finish reason ``error``, its KV released; the other requests go on)."""
+        log.exception("serving request %s failed: it ends with an error, the others go on", req.request_id)
+        if req.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        return FinishReason.ERROR
+
+    def _fail_step(self, out: SchedulerOutput) -> list[TokenDelta]:
+        """End every request of a step whose forward pass failed (``error``)."""
+        reqs = [self.scheduler.requests[rid] for rid in dict.fromkeys(c.request_id for c in out.chunks)]
+        for req in reqs:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        return [self._deliver(req, [], FinishReason.ERROR) for req in reqs]
 
     @staticmethod
     def _accept(req: Request, token: int) -> None:
@@ -366,12 +441,14 @@ class Engine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """The model's grammar compiler (built on first use); needs a tokenizer."""
-        if self._grammar is None:
-            if self.tokenizer is None:
-                raise ValueError("response_format needs a tokenizer: this engine has none")
-            self._grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size)
-        return self._grammar
+        """The model's grammar compiler (built on first use, by whichever thread asks first);
+        needs a tokenizer."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("response_format needs a tokenizer: this engine has none")
+                self._grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size)
+            return self._grammar
 
     def precompile(self, response_formats: Iterable[Mapping]) -> list[concurrent.futures.Future]:
         """Compile these response formats now (a daemon's configured schemas, at start-up)."""
@@ -492,13 +569,16 @@ class Engine:
         A stop token (reason STOP from the scheduler) is delivered as a token, not as text."""
         detok = self._detok.get(req.request_id)
         text = ""
-        if detok is not None:
-            text = detok.push(tokens[:-1] if reason == FinishReason.STOP else tokens)
-            if detok.stopped and reason is None:
-                self.scheduler.finish(req, FinishReason.STOP)
-                reason = FinishReason.STOP
-            if reason is not None:
-                text += detok.flush()
+        if detok is not None and reason is not FinishReason.ERROR:
+            try:
+                text = detok.push(tokens[:-1] if reason == FinishReason.STOP else tokens)
+                if detok.stopped and reason is None:
+                    self.scheduler.finish(req, FinishReason.STOP)
+                    reason = FinishReason.STOP
+                if reason is not None:
+                    text += detok.flush()
+            except Exception:
+                text, reason = "", self._fail(req)
         if reason is not None:
             req.finish_time = self.clock()
         delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason)

@@ -35,6 +35,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens, or the model's context is full
     ABORT = "abort"  # the client cancelled
     DEADLINE = "deadline"  # its deadline passed: it ends with what it has
+    ERROR = "error"  # serving this request alone raised (logged): it ends, the others go on
 
 
 

@@ -398,7 +398,9 @@ class Scheduler:
         """
         finished = []
         for chunk, is_prefill in [(c, False) for c in out.decodes] + [(c, True) for c in out.prefills]:
-            req = self.requests[chunk.request_id]
+            req = self.requests.get(chunk.request_id)
+            if req is None:
+                continue  # it ended during the step (its sampling failed): nothing to advance
             tokens = sampled.get(chunk.request_id, [])
             req.num_computed_tokens = chunk.end - chunk.num_drafts
             req.draft_token_ids = []

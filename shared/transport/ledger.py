@@ -98,7 +98,8 @@ class RequestLedger:
         return entry
 
     def discard(self, request_id: str) -> None:
-        """Forget a request that never really started (rejected after ``open``)."""
+        """Forget a live request that has no result: rejected after ``open``, or failed in the
+        engine; a retry with its id runs it anew."""
         self._live.pop(request_id, None)
 
     def expire(self, now: float) -> int:

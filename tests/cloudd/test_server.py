@@ -411,6 +411,36 @@ def test_health_says_stalled_while_one_engine_turn_runs_past_its_bound():
             peer.close()
 
 
+def test_a_request_that_fails_in_the_engine_fails_alone_and_a_retry_runs_it_again():
+    """Found in review: one request's failure inside a step ended every live request with
+    ``internal``."""
+    with running_server() as server:
+        sample, broken = server.engine.sampler.sample, threading.Event()
+        broken.set()
+
+        def faulty(logits, request_ids, params):
+            if broken.is_set() and "doomed" in request_ids:
+                raise RuntimeError("this request's sampling is broken")
+            return sample(logits, request_ids, params)
+
+        server.engine.sampler.sample = faulty
+        a, b = Peer(server.endpoint), Peer(server.endpoint)
+        try:
+            a.send(gen("healthy", max_tokens=20))
+            b.send(gen("doomed", max_tokens=20))
+            _, failed = b.until_result()
+            _, ok = a.until_result()
+            assert isinstance(failed, Error) and failed.code is ErrorCode.INTERNAL and failed.request_id == "doomed"
+            assert isinstance(ok, Result) and list(ok.token_ids) == greedy_reference(MODEL, list(PROMPT), 20)
+            broken.clear()
+            b.send(gen("doomed", max_tokens=20))  # the retry runs anew, now without the fault
+            _, retried = b.until_result()
+            assert isinstance(retried, Result) and retried.token_ids == ok.token_ids
+            assert server.snapshot()["totals"]["error"] == 1
+        finally:
+            a.close(), b.close()
+
+
 # --- bookkeeping the soak harness reads ------------------------------------------------------------
 
 
@@ -435,3 +465,61 @@ def test_stats_check_the_kv_pool_when_idle_and_name_a_leaked_block(server, peer)
     finally:
         pool.decref(leaked)
     assert server.snapshot()["kv_check"] == "ok"
+
+
+# --- preparing (tokenizing, grammar checks) beside the engine's thread -----------------------------
+
+SLOW_PROMPT = (96,) * 64 + PROMPT  # a larger frame than PROMPT's: prepared on the preparing thread
+
+
+@contextlib.contextmanager
+def slow_preparing(seconds: float) -> Iterator[CloudServer]:
+    """A server on which frames larger than a PROMPT request's go to the preparing thread, and
+    preparing a prompt that starts with token 96 takes ``seconds``."""
+    with running_server() as srv:
+        prepare = srv.engine.prepare
+
+        def slow(prompt, response_format=None):
+            if prompt and prompt[0] == 96:
+                time.sleep(seconds)
+            return prepare(prompt, response_format)
+
+        srv.engine.prepare = slow
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("cloudd.server.PREPARE_HERE_BYTES", len(encode(gen("prep-fast", max_tokens=3))) + 8)
+            yield srv
+
+
+def test_while_a_large_prompt_is_prepared_small_ones_run_and_a_retry_joins_it():
+    with slow_preparing(1.0) as srv:
+        slow, fast, retry = Peer(srv.endpoint), Peer(srv.endpoint), Peer(srv.endpoint)
+        slow.send(gen("prep-slow", max_tokens=3, prompt=SLOW_PROMPT))
+        retry.send(gen("prep-slow", max_tokens=3, prompt=SLOW_PROMPT))  # joins the one being prepared
+        fast.send(gen("prep-fast", max_tokens=3))
+        _, fast_result = fast.until_result()
+        assert isinstance(fast_result, Result) and "prep-slow" in srv._preparer.pending  # done meanwhile
+        (_, a), (_, b) = slow.until_result(), retry.until_result()
+        assert isinstance(a, Result) and a == b and list(a.token_ids) == greedy_reference(MODEL, list(SLOW_PROMPT), 3)
+        assert srv.snapshot()["totals"]["requests"] == 2
+        for p in (slow, fast, retry):
+            p.close()
+
+
+def test_a_cancel_while_a_request_is_prepared_ends_it_before_it_runs():
+    with slow_preparing(1.0) as srv:
+        peer = Peer(srv.endpoint)
+        peer.send(gen("prep-cancel", max_tokens=3, prompt=SLOW_PROMPT))
+        peer.send(Cancel("prep-cancel"))
+        first, second = peer.recv(), peer.recv()
+        assert first == second and isinstance(first, Result) and first.finish_reason == "abort"
+        assert first.usage.completion_tokens == 0 and srv.snapshot()["totals"]["requests"] == 0
+        peer.close()
+
+
+def test_a_deadline_counts_from_arrival_not_from_when_the_prompt_was_prepared():
+    with slow_preparing(0.5) as srv:
+        peer = Peer(srv.endpoint)
+        peer.send(gen("prep-late", max_tokens=3, prompt=SLOW_PROMPT, deadline_ms=200))
+        reply = peer.recv()
+        assert isinstance(reply, Error) and reply.code is ErrorCode.DEADLINE
+        peer.close()

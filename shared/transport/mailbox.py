@@ -1,0 +1,60 @@
+"""Work handed to a daemon's loop thread from other threads, with a file descriptor the loop
+polls beside its sockets (``zmq.Poller`` accepts it), so a posted event wakes the loop at once."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections.abc import Callable
+
+
+class Mailbox:
+    """Callables posted from any thread, run on the loop's thread by ``run``. ``fd`` is readable
+    while events wait. Posting never blocks (the wake-up pipe holds at most one byte that
+    matters; a full pipe already wakes the loop)."""
+
+    def __init__(self) -> None:
+        self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    @property
+    def fd(self) -> int:
+        return self._read
+
+    def post(self, event: Callable[[], None]) -> None:
+        """Any thread: run ``event`` on the loop's thread."""
+        self._events.put(event)
+        self.wake()
+
+    def wake(self) -> None:
+        """Any thread: make the loop's poll return."""
+        try:
+            os.write(self._write, b"x")
+        except (BlockingIOError, OSError):  # a wake-up is pending already (or the mailbox is closed)
+            pass
+
+    def run(self, wait_s: float = 0.0, until: Callable[[], bool] = lambda: False) -> None:
+        """Loop thread: run the events waiting; with ``wait_s``, keep waiting for more that long,
+        or until ``until()`` holds after an event."""
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        ends = time.monotonic() + wait_s
+        while True:
+            try:
+                left = ends - time.monotonic()
+                event = self._events.get(timeout=left) if left > 0 else self._events.get_nowait()
+            except queue.Empty:
+                return
+            event()
+            if until():
+                ends = 0.0
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
