@@ -3,8 +3,8 @@ memory, threads and file descriptors (read from ``/proc``)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -31,23 +31,32 @@ class ProcessResources:
 
 
 class HealthWatch:
-    """Probes ``endpoint`` with ``health`` every ``every_s`` from its own thread and socket until
-    stopped; a probe unanswered for ``timeout_s`` counts as failed."""
+    """Probes ``endpoint`` with ``health`` every ``every_s`` until stopped; a probe unanswered
+    for ``timeout_s`` counts as failed. The prober is its own process, with its own socket: in
+    the harness's process its timestamps would wait on the fuzzer's interpreter lock (building
+    a 9 MB frame holds it for tens of milliseconds) and blame the daemon for the harness."""
 
     def __init__(self, endpoint: str, curve: ClientCurve | None = None, every_s: float = 0.05, timeout_s: float = 2.0):
-        self.endpoint, self.curve, self.every_s, self.timeout_s = endpoint, curve, every_s, timeout_s
+        self.timeout_s = timeout_s
         self.latencies_ms: list[float] = []
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-watch", daemon=True)
+        context = multiprocessing.get_context("spawn")  # NOTE: not fork: the harness holds threads and sockets
+        self._stop = context.Event()
+        self._results, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_probe, name="health-watch", daemon=True,
+                                        args=(endpoint, curve, every_s, timeout_s, self._stop, sender))
 
     def __enter__(self) -> HealthWatch:
-        self._thread.start()
+        self._process.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(self.timeout_s + 5)
+        if self._results.poll(self.timeout_s + 30):
+            self.latencies_ms, self.failures = self._results.recv()
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
 
     def summary(self) -> dict:
         ordered = sorted(self.latencies_ms)
@@ -57,20 +66,25 @@ class HealthWatch:
                 "over_bound": sum(ms > HEALTH_BOUND_MS for ms in ordered) + self.failures,
                 "bound_ms": HEALTH_BOUND_MS}
 
-    def _run(self) -> None:
-        socket = dealer(self.endpoint, self.curve)
-        try:
-            while not self._stop.wait(self.every_s):
-                began = time.monotonic()
-                socket.send(encode(Health()))
-                if socket.poll(self.timeout_s * 1000) and isinstance(decode(socket.recv()), Health):
-                    self.latencies_ms.append((time.monotonic() - began) * 1000)
-                else:
-                    self.failures += 1
-                    socket.close(0)
-                    socket = dealer(self.endpoint, self.curve)
-        finally:
-            socket.close(0)
+
+def _probe(endpoint: str, curve: ClientCurve | None, every_s: float, timeout_s: float, stop, results) -> None:
+    """The prober process: health every ``every_s`` until ``stop``; sends (latencies, failures)."""
+    latencies_ms: list[float] = []
+    failures = 0
+    socket = dealer(endpoint, curve)
+    try:
+        while not stop.wait(every_s):
+            began = time.monotonic()
+            socket.send(encode(Health()))
+            if socket.poll(timeout_s * 1000) and isinstance(decode(socket.recv()), Health):
+                latencies_ms.append((time.monotonic() - began) * 1000)
+            else:
+                failures += 1
+                socket.close(0)
+                socket = dealer(endpoint, curve)
+    finally:
+        socket.close(0)
+        results.send((latencies_ms, failures))
 
 
 def dealer(endpoint: str, curve: ClientCurve | None = None, unbounded: bool = False) -> zmq.Socket:

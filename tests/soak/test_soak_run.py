@@ -16,6 +16,7 @@ def test_a_short_soak_loses_nothing_and_runs_nothing_twice():
         fuzz = report.fuzz[name]
         assert fuzz["frames"] == 2_000 and fuzz["answered"] + fuzz["dropped"] == 2_000
         assert fuzz["undecodable_replies"] == 0 and fuzz["health"]["failures"] == 0
+        assert fuzz["health"]["probes"] > 0  # the prober process reported back
     assert report.fuzz["http"]["server_errors"] == 0 and report.fuzz["http"]["answered_after_idle"]
     for fault in report.faults.values():
         assert fault["kv_check"] == "ok" and fault["prefix_exact"], fault
