@@ -288,15 +288,17 @@ class Engine:
         if out.is_empty:
             return deltas + self._idle(out)
         started = self.clock()
-        try:
-            logits = self.runner.execute(out)
+        sampled_chunks = [c for c in out.chunks if c.sample]
+        reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
+        greedy = all(c.num_logits == 1 and r.grammar is None and r.sampling.greedy and not r.sampling.logprobs
+                     for c, r in zip(sampled_chunks, reqs, strict=True))
+        try:  # NOTE: an all-greedy step never builds its logits (kernels.greedy_head)
+            result = self.runner.execute_greedy(out) if greedy else self.runner.execute(out)
         except Exception:
             log.exception("the forward pass failed: ending the %d requests of its step", len(out.chunks))
             return deltas + self._fail_step(out)
         with maybe_phase(profile, "sampling"):
-            sampled_chunks = [c for c in out.chunks if c.sample]
-            reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
-            picks = self._sample(logits, sampled_chunks, reqs)
+            picks = [[(token, 0.0)] for token in result] if greedy else self._sample(result, sampled_chunks, reqs)
         with maybe_phase(profile, "update"):
             now = self.clock()
             self.scheduler.rate.observe(out.num_tokens, now - started)

@@ -6,6 +6,7 @@ import torch
 
 from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
+from kernels.greedy_head import greedy_head
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
@@ -62,6 +63,21 @@ class ModelRunner:
         cascade decode attention then reads the shared context once for all of them, which is
         far cheaper than a prefill segment per request.
         """
+        hidden = self._forward(out)
+        with maybe_phase(self.profile, "logits"):
+            return self.model.logits(hidden, dtype=None).cpu()
+
+    def execute_greedy(self, out: SchedulerOutput) -> list[int]:
+        """``execute`` for a step whose sampled rows are all greedy (no grammar, no logprobs,
+        no drafts): each row's token of largest logit (the first of equals), exactly the argmax
+        of ``execute``'s logits, without those logits (``kernels.greedy_head``)."""
+        hidden = self._forward(out)
+        with maybe_phase(self.profile, "logits"):
+            return greedy_head(hidden, self.model.lm_head.weight).tolist()
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """The step's forward pass: the final hidden states of the rows whose logits it samples
+        [rows, hidden] (the model's final norm applied)."""
         if out.copies:  # a copy may read a block a tier load is still filling
             for fence in out.fences:
                 fence.wait_all()
@@ -74,14 +90,13 @@ class ModelRunner:
             step = PagedAttentionStep(meta, out.fences)
             hidden = self.model(input_ids, positions, self.kv_caches,
                                 step if profile is None else TimedAttentionStep(step, profile))
-        with maybe_phase(profile, "logits"):
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.logits(hidden.index_select(0, rows), dtype=None).cpu()
+            hidden = hidden.index_select(0, rows)
         if profile is not None:  # attention ran inside the model's phase: count it once
             profile.seconds["model"] -= profile.seconds["attention"] - attention_before
             profile.flops += self._flops.step(out, len(sample_rows))
             profile.computed_tokens += len(input_ids)
-        return logits
+        return hidden
 
     def warm_up(self, num_tokens: int) -> None:
         """One forward of ``num_tokens`` dummy prompt tokens, so the first request does not pay

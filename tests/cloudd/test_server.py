@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -425,15 +426,16 @@ def test_a_request_that_fails_in_the_engine_fails_alone_and_a_retry_runs_it_agai
 
         server.engine.sampler.sample = faulty
         a, b = Peer(server.endpoint), Peer(server.endpoint)
+        sampled = Sampling(max_tokens=20, ignore_eos=True, temperature=1.0, top_k=1)  # greedy, through the sampler
         try:
-            a.send(gen("healthy", max_tokens=20))
-            b.send(gen("doomed", max_tokens=20))
+            a.send(replace(gen("healthy"), sampling=sampled))
+            b.send(replace(gen("doomed"), sampling=sampled))
             _, failed = b.until_result()
             _, ok = a.until_result()
             assert isinstance(failed, Error) and failed.code is ErrorCode.INTERNAL and failed.request_id == "doomed"
             assert isinstance(ok, Result) and list(ok.token_ids) == greedy_reference(MODEL, list(PROMPT), 20)
             broken.clear()
-            b.send(gen("doomed", max_tokens=20))  # the retry runs anew, now without the fault
+            b.send(replace(gen("doomed"), sampling=sampled))  # the retry runs anew, now without the fault
             _, retried = b.until_result()
             assert isinstance(retried, Result) and retried.token_ids == ok.token_ids
             assert server.snapshot()["totals"]["error"] == 1

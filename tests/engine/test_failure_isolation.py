@@ -9,10 +9,17 @@ import pytest
 
 from shared.engine.engine import Engine
 from shared.engine.request import FinishReason
-from tests.engine.test_engine_api import MODEL, OTHER, PROMPT, assert_everything_released, engine, greedy
+from shared.engine.sampling_params import SamplingParams
+from tests.engine.test_engine_api import MODEL, OTHER, PROMPT, assert_everything_released, engine
 from tests.engine.tiny import greedy_reference
 
 THIRD = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """The greedy tokens through the sampler (a filter that keeps one token): an all-greedy step
+    never calls it (``kernels.greedy_head``)."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, top_k=1)
 
 
 def run_all(e: Engine, prompts: dict[str, list[int]], max_tokens: int = 5) -> dict[str, tuple[list[int], FinishReason]]:
