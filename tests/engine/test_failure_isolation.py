@@ -22,11 +22,17 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, top_k=1)
 
 
-def run_all(e: Engine, prompts: dict[str, list[int]], max_tokens: int = 5) -> dict[str, tuple[list[int], FinishReason]]:
-    """Submit ``prompts`` (unbuffered, greedy), step until nothing is left: every request's
-    tokens and how it ended (those submitted before too)."""
+def plain_greedy(max_tokens: int) -> SamplingParams:
+    """Greedy: an all-greedy step takes the runner's ``execute_greedy``."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_all(e: Engine, prompts: dict[str, list[int]], max_tokens: int = 5,
+            sampling=greedy) -> dict[str, tuple[list[int], FinishReason]]:
+    """Submit ``prompts`` (unbuffered, ``sampling(max_tokens)``), step until nothing is left:
+    every request's tokens and how it ended (those submitted before too)."""
     for rid, prompt in prompts.items():
-        e.submit(prompt, greedy(max_tokens), request_id=rid, buffered=False)
+        e.submit(prompt, sampling(max_tokens), request_id=rid, buffered=False)
     tokens: dict[str, list[int]] = defaultdict(list)
     ends: dict[str, FinishReason] = {}
     while e.has_unfinished:
@@ -88,20 +94,22 @@ def test_a_failing_detokenizer_ends_its_request_alone():
     assert_everything_released(e)
 
 
-def test_a_failed_forward_pass_ends_its_step_and_the_engine_serves_on(monkeypatch):
+@pytest.mark.parametrize("method, sampling", [("execute", greedy), ("execute_greedy", plain_greedy)])
+def test_a_failed_forward_pass_ends_its_step_and_the_engine_serves_on(monkeypatch, method, sampling):
     e = engine()
-    execute, failures = e.runner.execute, {"left": 1}
+    run, failures = getattr(e.runner, method), {"left": 1}
 
     def fails_once(out):
         if failures["left"]:
             failures["left"] -= 1
             raise RuntimeError("out of memory")
-        return execute(out)
+        return run(out)
 
-    monkeypatch.setattr(e.runner, "execute", fails_once)
-    out = run_all(e, {"a": PROMPT, "b": OTHER})
+    monkeypatch.setattr(e.runner, method, fails_once)
+    out = run_all(e, {"a": PROMPT, "b": OTHER}, sampling=sampling)
     assert {rid: end for rid, (_, end) in out.items()} == {"a": FinishReason.ERROR, "b": FinishReason.ERROR}
-    assert run_all(e, {"again": PROMPT}) == {"again": (greedy_reference(MODEL, PROMPT, 5), FinishReason.LENGTH)}
+    again = run_all(e, {"again": PROMPT}, sampling=sampling)
+    assert again == {"again": (greedy_reference(MODEL, PROMPT, 5), FinishReason.LENGTH)}
     assert_everything_released(e)
 
 

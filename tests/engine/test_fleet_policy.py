@@ -152,13 +152,14 @@ def test_a_decode_in_the_background_does_not_make_a_short_prompt_look_slow():
     # decoding in the background must not make a 40-token prompt look like 40 decode steps
     clock = FakeClock()
     eng = fleet_engine(clock)
-    execute = eng.runner.execute
+    for name in ("execute", "execute_greedy"):  # a step runs one of them (greedy_head for all-greedy steps)
+        run = getattr(eng.runner, name)
 
-    def timed(out):
-        clock.advance(0.1)
-        return execute(out)
+        def timed(out, run=run):
+            clock.advance(0.1)
+            return run(out)
 
-    eng.runner.execute = timed
+        setattr(eng.runner, name, timed)
     eng.submit(tokens(40, 1), greedy(50), "background", buffered=False)
     for _ in range(10):  # its prefill, then steps of one decode token
         eng.step()
