@@ -210,7 +210,8 @@ class CloudServer:
                 busy = self.engine.has_unfinished
                 events = dict(poller.poll(0 if busy else self.config.idle_poll_ms))
                 self._turn_began = time.monotonic()
-                self.mailbox.run()
+                if self.mailbox.fd in events:
+                    self.mailbox.run()
                 if self._engine_pipe in events:
                     self._read_all()
                 if self.engine.has_unfinished:
@@ -357,19 +358,19 @@ class CloudServer:
                 self._send(identity, reply)
             return
         reject = self._admission_error(msg)
-        if reject is None:
-            try:
-                SamplingParams.from_wire(msg.sampling)
-            except ValueError as e:
-                reject = Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id)
         if reject is not None:
             self._reject(identity, msg, reject)
             return
+        try:
+            params = SamplingParams.from_wire(msg.sampling)
+        except ValueError as e:
+            self._reject(identity, msg, Error(ErrorCode.INVALID_REQUEST, str(e), msg.request_id))
+            return
         prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
         self._preparer.start(identity, msg, functools.partial(self.engine.prepare, prompt, msg.response_format),
-                             self._admit, here=size <= PREPARE_HERE_BYTES)
+                             functools.partial(self._admit, params), here=size <= PREPARE_HERE_BYTES)
 
-    def _admit(self, pending: Admitting, done: Future[PreparedPrompt]) -> None:
+    def _admit(self, params: SamplingParams, pending: Admitting, done: Future[PreparedPrompt]) -> None:
         """Engine thread: queue a prepared request in the engine, or answer why it never runs."""
         msg, rid = pending.msg, pending.msg.request_id
         try:
@@ -387,7 +388,7 @@ class CloudServer:
             return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, "the deadline passed while the prompt "
                                                          "was being prepared", rid))
         try:
-            self.engine.submit(prepared, SamplingParams.from_wire(msg.sampling), rid, buffered=False,
+            self.engine.submit(prepared, params, rid, buffered=False,
                                priority=msg.priority, robot_id=msg.robot_id, deadline_s=deadline_s)
         except DeadlineUnmeetable as e:
             return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, str(e), rid))
@@ -464,11 +465,8 @@ class CloudServer:
         self.monitor.on_finish(record)
         self.metrics.on_finish(record)
         if req.finish_reason is FinishReason.ERROR:
-            self.ledger.discard(req.request_id)
-            self.executions.ended(req.request_id, record.finish_reason)
-            for identity in entry.subscribers:
-                self._send(identity, Error(ErrorCode.INTERNAL, "internal error serving this request (cloudd's log "
-                                           "has the trace); the fleet's other requests go on", req.request_id))
+            self._fail_live(entry, Error(ErrorCode.INTERNAL, "internal error serving this request (cloudd's log "
+                                         "has the trace); the fleet's other requests go on", req.request_id))
             return
         result = Result(
             request_id=req.request_id,
@@ -492,15 +490,20 @@ class CloudServer:
             if code is not None:
                 self.engine.abort(rid)
                 self._requests.pop(rid)
-                self.ledger.discard(rid)
-                self.executions.ended(rid, code.value)
-                for identity in entry.subscribers:
-                    self._send(identity, Error(code, why, rid))
+                self._fail_live(entry, Error(code, why, rid))
                 continue
             delta = self.engine.abort(rid)
             if delta is not None:
                 self._publish(delta)
         log.info("cancelled live requests: %s", why)
+
+    def _fail_live(self, entry: LedgerEntry, error: Error) -> None:
+        """Answer a live request's subscribers with ``error`` and forget it (no result is kept:
+        a retry under its id runs it anew)."""
+        self.ledger.discard(error.request_id)
+        self.executions.ended(error.request_id, error.code.value)
+        for identity in entry.subscribers:
+            self._send(identity, error)
 
     def snapshot(self) -> dict:
         """The ``stats`` reply (see ``cloudd.monitor``), with ``kv_check``: while the engine is

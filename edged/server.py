@@ -186,7 +186,8 @@ class EdgeServer:
                     self.mailbox.run(wait_s=1.0, until=lambda: not self.live)  # their results
                     return
                 events = dict(poller.poll(self._poll_ms()))
-                self.mailbox.run()
+                if self.mailbox.fd in events:
+                    self.mailbox.run()
                 if self.socket in events:
                     self._read_all()
                 self._check_timers()
