@@ -1,4 +1,12 @@
+import os
+
 import pytest
+import torch
+
+# The Triton kernels run under the interpreter where there is no GPU: it is read when a kernel
+# is defined, so before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shared.model.fetch import ensure_default_model
 
