@@ -13,7 +13,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export GOMP_SPINCOUNT ?= 10000
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model kernels demo test bench bench-serve soak clean
+.PHONY: setup model kernels demo test bench bench-serve soak gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ demo: model kernels ros
 
 test: model kernels ros
 	$(PY) -m pytest -q
+
+# What a lent GPU checks, in one script (at most 8 minutes on one H200): the gpu tests, cloudd and
+# edged benches on the GPU; every figure into build/gpu-check/gpu-check.json (.ci/gpu-check). The
+# venv needs a CUDA build of torch there (the CPU build is what `setup` installs on these machines).
+gpu-check: model
+	.ci/gpu-check
 
 # The engine issue's measurement: the whole fleet-256 trace, both indexes and the HF baseline
 # (about 50 min, most of it the baseline).

@@ -19,6 +19,7 @@ from cloudd.trace import bundled_trace  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 from shared.config import load_engine_config  # noqa: E402
 from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
+from shared.engine.kernel_choice import KERNEL_NAMES  # noqa: E402
 from shared.engine.engine_config import EngineConfig  # noqa: E402
 
 
@@ -37,6 +38,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the layers' dense halves through torch.compile at start-up (default: the "
                         "config's [engine] compile, else on for serve and bench)")
+    p.add_argument("--device", help="cpu (default) | cuda | cuda:N: model, KV pool and step tensors")
+    p.add_argument("--kernels", choices=list(KERNEL_NAMES),
+                   help="auto (default): Triton on CUDA, torch (with the C++ CPU kernels) on a CPU")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode-only steps replay CUDA graphs (default on; Triton kernels on CUDA only)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--max-num-seqs", type=int)
@@ -63,13 +69,19 @@ def _engine_config(args, offline: bool = False, compile_by_default: bool = True)
 
         base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
     engine = {"dtype": args.dtype, "compile": args.compile, "block_size": args.block_size,
-              "num_blocks": args.num_blocks}
+              "num_blocks": args.num_blocks, "device": args.device, "kernels": args.kernels,
+              "cuda_graphs": args.cuda_graphs}
     scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
     return dataclasses.replace(
         base,
         **{k: v for k, v in engine.items() if v is not None},
         scheduler=dataclasses.replace(base.scheduler, **{k: v for k, v in scheduler.items() if v is not None}),
     )
+
+
+def _graphs_note(engine) -> str:
+    graphs = engine.runner.graphs
+    return "off" if graphs is None else f"{len(graphs.buckets)} captured in {graphs.capture_seconds:.1f}s"
 
 
 def _model_path(args) -> Path:
@@ -191,7 +203,8 @@ def cmd_serve(args) -> int:
     dtype = engine_config.dtype_choice
     print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy} "
           f"compile={'off' if engine.compile_seconds is None else f'{engine.compile_seconds:.1f}s'} "
-          f"warm_up={warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason})", flush=True)
+          f"warm_up={warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason}) kernels={engine.runner.kernels} "
+          f"cuda_graphs={_graphs_note(engine)}", flush=True)
     try:
         server.serve_forever()
     finally:

@@ -139,6 +139,8 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 runs[name] = run_report(str(opts.trace), timings, wall, stats.prefix_hit_rate)
                 runs[name]["dtype"] = stats.dtype
                 runs[name]["compiled"] = stats.compiled
+                runs[name]["kernels"] = stats.kernels
+                runs[name]["cuda_graphs"] = stats.cuda_graphs
                 runs[name]["preemptions"] = stats.preemptions
                 runs[name]["kv_blocks"] = stats.blocks_total
                 if working_set:
@@ -315,7 +317,7 @@ def _hf_baseline(ckpt: Checkpoint, requests: list[TraceRequest], opts: BenchOpti
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     timings, wall = run_hf_generate(
         ckpt, prompts, [r.priority for r in requests], opts.output_len, opts.baseline_batch_size,
-        opts.engine.torch_dtype,
+        opts.engine.torch_dtype, opts.engine.device,
     )
     report = run_report(str(opts.trace), timings, wall, prefix_hit_rate=0.0)
     log(format_run(f"HF transformers generate(), static batches of {opts.baseline_batch_size}", report))

@@ -67,19 +67,20 @@ def run_hf_generate(
     output_len: int,
     batch_size: int,
     dtype: torch.dtype,
+    device: str = "cpu",
 ) -> tuple[list[RequestTiming], float]:
-    """All prompts submitted at t0 and served batch after batch; timings are from t0."""
+    """All prompts submitted at t0 and served batch after batch on ``device``; timings are from t0."""
     import transformers
 
-    model = build_hf_model(ckpt, dtype)
+    model = build_hf_model(ckpt, dtype).to(device)
     pad = min(ckpt.tokenizer.eos_token_ids)
     timings = []
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         clock = _FirstTokenClock()
         out = model.generate(
             input_ids=ids,

@@ -18,6 +18,8 @@ from pathlib import Path  # noqa: E402
 from edged.backends.base import BACKENDS, QUANTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 
+GRAPH_VARIANTS = ("on", "off")
+
 
 def _model_path(arg: Path | None) -> Path:
     from shared.model.fetch import ensure_default_model
@@ -61,7 +63,8 @@ def cmd_bench(args) -> int:
 
     opts = BenchOptions(model=_model_path(args.model), backends=args.backend, quants=args.quant,
                         threads=args.threads, requests=args.requests, decode_tokens=args.decode_tokens,
-                        trace=args.trace, progress=not args.no_progress)
+                        trace=args.trace, progress=not args.no_progress, device=args.device,
+                        cuda_graphs=tuple(v == "on" for v in args.cuda_graphs))
     runs = run_bench(opts, log=None if args.json else print)
     print(json.dumps(runs, indent=2) if args.json else format_report(runs))
     return 0
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--trace", type=Path, default=Path("../shared/workloads/fleet-256.jsonl"))
     b.add_argument("--json", action="store_true")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    b.add_argument("--cuda-graphs", type=comma_list(GRAPH_VARIANTS), default=("on",),
+                   help="torch on cuda: decode graph variants, comma list (on,off); 'off' runs are named '-eager'")
     b.set_defaults(func=cmd_bench)
     q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")
     q.add_argument("--model", type=Path)

@@ -45,6 +45,8 @@ class BenchOptions:
     trace: Path = Path("../shared/workloads/fleet-256.jsonl")
     max_len: int = 2048
     progress: bool = True  # a progress line on stderr while each run goes
+    device: str = "cpu"  # "cuda": the torch backend on the Triton kernels, the ONNX graph on ORT's GPU providers
+    cuda_graphs: tuple[bool, ...] = (True,)  # torch on cuda: with and/or without its decode graph ("-eager")
 
 
 def plan_requests(trace: Path, n: int) -> list[list[dict]]:
@@ -71,36 +73,38 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
     systems = [tok.encode_chat(messages[:1], add_generation_prompt=False) for messages in requests]
     standing = [tok.encode_chat(messages[:2], add_generation_prompt=False) for messages in requests]
     runs: dict[str, dict] = {}
-    for kind in opts.backends:
-        for quant in opts.quants:
-            name = f"{kind}-{quant}"
-            backend = make_backend(kind, quant, checkpoint, opts.model, opts.max_len, opts.threads)
-            gen = Batch1Generator(backend, tok, compiler)
-            gen.run(_job(tok, prompts[0][:64], 4), _ignore)  # warm-up
-            ttft: dict[str, list[float]] = {"cold": [], "pinned": [], "pinned_system": []}
-            decode = []
-            progress = Progress(name, 3 * len(prompts), enabled=opts.progress)
-            for prompt, system, prefix in zip(prompts, systems, standing, strict=True):
-                for variant, pin in (("cold", None), ("pinned_system", system), ("pinned", prefix)):
-                    gen.pinned.clear()
-                    if pin is not None:
-                        gen.pin(variant, pin)
-                    first, rate = _timed(gen, _job(tok, prompt, opts.decode_tokens))
-                    ttft[variant].append(first)
-                    decode.append(rate)
-                    progress.update(lambda: (len(decode), len(decode) * opts.decode_tokens))
-            progress.close()
-            runs[name] = {f"ttft_{variant}_s": statistics.median(times) for variant, times in ttft.items()}
-            runs[name] |= {"decode_tok_s": statistics.median(decode), "requests": len(prompts),
-                           "prompt_tokens": statistics.median(map(len, prompts)),
-                           "pinned_tokens": statistics.median(map(len, standing)),
-                           "pinned_system_tokens": statistics.median(map(len, systems))}
-            if log:
-                r = runs[name]
-                log(f"{name}: TTFT cold {r['ttft_cold_s']:.3f} s, pinned {r['ttft_pinned_s']:.3f} s, "
-                    f"pinned system {r['ttft_pinned_system_s']:.3f} s; decode {r['decode_tok_s']:.1f} tok/s")
-            del gen, backend
-    return {"runs": runs, "ratios": _ratios(runs), "threads": opts.threads}
+    variants = [(kind, quant, graphs) for kind in opts.backends for quant in opts.quants
+                for graphs in (opts.cuda_graphs if kind == "torch" and opts.device == "cuda" else (True,))]
+    for kind, quant, graphs in variants:
+        name = f"{kind}-{quant}" + ("" if graphs else "-eager")
+        backend = make_backend(kind, quant, checkpoint, opts.model, opts.max_len, opts.threads, opts.device,
+                               cuda_graph=graphs)
+        gen = Batch1Generator(backend, tok, compiler)
+        gen.run(_job(tok, prompts[0][:64], 4), _ignore)  # warm-up
+        ttft: dict[str, list[float]] = {"cold": [], "pinned": [], "pinned_system": []}
+        decode = []
+        progress = Progress(name, 3 * len(prompts), enabled=opts.progress)
+        for prompt, system, prefix in zip(prompts, systems, standing, strict=True):
+            for variant, pin in (("cold", None), ("pinned_system", system), ("pinned", prefix)):
+                gen.pinned.clear()
+                if pin is not None:
+                    gen.pin(variant, pin)
+                first, rate = _timed(gen, _job(tok, prompt, opts.decode_tokens))
+                ttft[variant].append(first)
+                decode.append(rate)
+                progress.update(lambda: (len(decode), len(decode) * opts.decode_tokens))
+        progress.close()
+        runs[name] = {f"ttft_{variant}_s": statistics.median(times) for variant, times in ttft.items()}
+        runs[name] |= {"decode_tok_s": statistics.median(decode), "requests": len(prompts),
+                       "prompt_tokens": statistics.median(map(len, prompts)),
+                       "pinned_tokens": statistics.median(map(len, standing)),
+                       "pinned_system_tokens": statistics.median(map(len, systems))}
+        if log:
+            r = runs[name]
+            log(f"{name}: TTFT cold {r['ttft_cold_s']:.3f} s, pinned {r['ttft_pinned_s']:.3f} s, "
+                f"pinned system {r['ttft_pinned_system_s']:.3f} s; decode {r['decode_tok_s']:.1f} tok/s")
+        del gen, backend
+    return {"runs": runs, "ratios": _ratios(runs), "threads": opts.threads, "device": opts.device}
 
 
 def _timed(gen: Batch1Generator, job: LocalJob) -> tuple[float, float]:

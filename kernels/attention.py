@@ -42,6 +42,8 @@ from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSe
 from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel
 from kernels.softmax_lse_cpu import SoftmaxLse, softmax_lse_kernel
 
+from shared.model.llama import rotated
+
 if TYPE_CHECKING:
     from shared.engine.kv.layer_fence import LayerFence
 
@@ -126,9 +128,10 @@ class PagedAttentionStep:
     meta: AttentionMetadata
     fences: tuple[LayerFence, ...] = ()  # tier loads into blocks this step reads, layer by layer
 
-    def attend(self, layer, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, scale: float, rope=None) -> torch.Tensor:
         for fence in self.fences:  # the layer's loaded KV must land before it is read
             fence.wait(layer)
+        q, k = rotated(q, k, rope)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, self.meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, self.meta, scale)

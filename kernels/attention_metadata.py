@@ -77,13 +77,13 @@ class DecodeBatch:
     ) -> "DecodeBatch":
         width = max(len(p.rows) for p in problems)
         rows = [p.rows + [p.rows[0]] * (width - len(p.rows)) for p in problems]
-        block_tables = _padded([p.blocks for p in problems], null_block, device)
+        block_tables = padded_rows([p.blocks for p in problems], null_block, device)
         visible = torch.arange(block_tables.shape[1] * block_size)[None, :] < torch.tensor(
             [p.num_keys for p in problems])[:, None]
         mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
         return DecodeBatch(
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            parts=_padded([p.parts for p in problems], scratch_part, device),
+            parts=padded_rows([p.parts for p in problems], scratch_part, device),
             block_tables=block_tables,
             mask=mask.to(device),
         )
@@ -137,7 +137,7 @@ class AttentionMetadata:
             in_place: describe the decode rows as whole block tables for an in-place kernel
                 (``decode_block_tables`` / ``decode_context_lens``) instead of cascade batches.
         """
-        problems, num_parts = ([], 1) if in_place else _decode_problems(
+        problems, num_parts = ([], 1) if in_place else decode_problems(
             decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
         batches = tuple(
             DecodeBatch.build(group, num_parts, block_size, null_block, device) for group in _batch_problems(problems)
@@ -149,7 +149,7 @@ class AttentionMetadata:
             num_decode_parts=num_parts,
             decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in batches), default=0)),
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
-            decode_block_tables=_padded(decode_block_tables, null_block, device) if in_place else None,
+            decode_block_tables=padded_rows(decode_block_tables, null_block, device) if in_place else None,
             decode_context_lens=torch.tensor(decode_context_lens, dtype=torch.int64, device=device) if in_place else None,
             decode_row_order=torch.tensor(sorted(range(len(decode_block_tables)), key=lambda r: decode_block_tables[r]),
                                           dtype=torch.int64, device=device) if in_place else None,
@@ -169,7 +169,7 @@ class GatherWorkspace:
         return self._buffer[:, :num_blocks]
 
 
-def _padded(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:  # [len(rows), max len]
+def padded_rows(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:  # [len(rows), max len]
     """Rows of ints as one tensor, each padded to the longest with ``pad``. Through numpy: torch
     builds a tensor from nested lists element by element (8x slower at a step's block tables)."""
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
@@ -180,7 +180,7 @@ def _padded(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> 
     return torch.from_numpy(out).to(device)
 
 
-def _decode_problems(
+def decode_problems(
     tables: list[list[int]], context_lens: list[int], block_size: int, min_saved_tokens: int
 ) -> tuple[list[DecodeProblem], int]:
     """Every decode row's context as problems: the shared segments it is in, then the blocks

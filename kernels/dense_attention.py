@@ -2,9 +2,8 @@
 
 Each layer's cache is ``k_cache, v_cache: [max_len, kv_heads, head_dim]``, position ``p`` at row
 ``p``. A step computes tokens at ``positions`` (consecutive); they attend causally to every
-position before them. With ``static_len`` the keys read are always the whole buffer, masked
-past the last position, so every tensor shape is fixed and a decode step can be captured as a
-CUDA graph and replayed with new ``positions`` written in place.
+position before them. (On a GPU, edged runs the Triton kernels over the same buffer instead:
+``edged.backends.torch_backend``.)
 """
 
 from __future__ import annotations
@@ -13,22 +12,24 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model.llama import rotated
+
 
 @dataclass(frozen=True)
 class DenseAttentionStep:
     """``shared.model.llama.AttentionStep`` over a dense buffer (see the module docstring)."""
 
     positions: torch.Tensor  # [T] int64, consecutive
-    end: int  # positions[-1] + 1 (the context the queries see); ignored with static_len
-    static_len: bool = False
+    end: int  # positions[-1] + 1 (the context the queries see)
 
-    def attend(self, layer, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, scale: float, rope=None) -> torch.Tensor:
+        q, k = rotated(q, k, rope)
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, self.positions, k)
         v_cache.index_copy_(0, self.positions, v)
         t, heads, dim = q.shape
         kvh = k_cache.shape[1]
-        length = k_cache.shape[0] if self.static_len else self.end
+        length = self.end
         keys = k_cache[:length].transpose(0, 1)  # [kvh, L, D]
         values = v_cache[:length].transpose(0, 1)
         # GQA: each KV head's query group folds into the query length, rows (j, t).

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_metadata import DecodeProblem, _padded
+from kernels.attention_metadata import DecodeProblem, padded_rows
 from kernels.triton_merge_partials import merge_partials
 from kernels.triton_support import INTERPRETED, MIN_TILE, cast, check_tiles, dot_precision, mma
 
@@ -128,15 +128,15 @@ class DecodePlan:
     @staticmethod
     def from_problems(problems: Sequence[DecodeProblem], num_rows: int, num_parts: int, kv_heads: int,
                       device: torch.device | str, target_programs: int = 256) -> "DecodePlan":
-        """The cascade's problems (``kernels.attention_metadata._decode_problems``), split so the
+        """The cascade's problems (``kernels.attention_metadata.decode_problems``), split so the
         launch has about ``target_programs`` programs (a GPU's worth of work)."""
         max_blocks = max((len(p.blocks) for p in problems), default=1)
         splits = splits_for(len(problems), kv_heads, max_blocks, target_programs)
         per_split = -(-max_blocks // splits)
         return DecodePlan(
-            rows=_padded([p.rows for p in problems], -1, device),
-            parts=_padded([p.parts for p in problems], 0, device),
-            blocks=_padded([p.blocks for p in problems], 0, device),
+            rows=padded_rows([p.rows for p in problems], -1, device),
+            parts=padded_rows([p.parts for p in problems], 0, device),
+            blocks=padded_rows([p.blocks for p in problems], 0, device),
             num_keys=torch.tensor([p.num_keys for p in problems], dtype=torch.int64, device=device),
             num_rows=num_rows, num_parts=num_parts, splits=-(-max_blocks // per_split), blocks_per_split=per_split,
         )

@@ -1,8 +1,7 @@
 """Prefill / extend attention over the paged KV in Triton (the GPU path; the CPU runs it under
 ``TRITON_INTERPRET=1``), with its plain-torch reference (``reference_extend_attention``).
 
-A step's prefill *segments* (``kernels.attention_metadata.PrefillSegment``: a prompt chunk, or
-jump-forward drafts) each add ``num_new`` tokens to a sequence with ``num_cached`` tokens in
+A step's prefill *segments* (a prompt chunk, or jump-forward drafts) each add ``num_new`` tokens to a sequence with ``num_cached`` tokens in
 the pool; their K/V are already written. New token ``i`` (position ``num_cached + i``) attends
 to every key at positions ``0 .. num_cached + i``: the cached prefix through the block table,
 the new tokens causally. One program per (segment, tile of ``BLOCK_M`` new tokens, query head),
@@ -20,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_metadata import PrefillSegment, _padded
+from kernels.attention_metadata import padded_rows
 from kernels.triton_support import INTERPRETED, cast, check_tiles, dot_precision, mma
 
 BLOCK_M = 32  # new tokens per program
@@ -82,15 +81,22 @@ class ExtendPlan:
     max_new: int
 
     @staticmethod
-    def from_segments(segments: Sequence[PrefillSegment], device: torch.device | str) -> "ExtendPlan":
+    def build(prefills: Sequence[tuple[Sequence[int], int, int]], first_row: int,
+              device: torch.device | str) -> "ExtendPlan":
+        """From ``(block_table, num_cached, num_new)`` per segment (``AttentionMetadata.build``'s
+        form), their rows laid out one after another from ``first_row``."""
+        starts = [first_row]
+        for _, _, num_new in prefills:
+            starts.append(starts[-1] + num_new)
+
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
         return ExtendPlan(
-            starts=ints([s.start for s in segments]),
-            num_new=ints([s.num_new for s in segments]),
-            num_cached=ints([s.num_cached for s in segments]),
-            blocks=_padded([s.block_table.tolist() for s in segments], 0, device),
-            max_new=max((s.num_new for s in segments), default=0),
+            starts=ints(starts[:-1]),
+            num_new=ints([n for _, _, n in prefills]),
+            num_cached=ints([c for _, c, _ in prefills]),
+            blocks=padded_rows([t for t, _, _ in prefills], 0, device),
+            max_new=max((n for _, _, n in prefills), default=0),
         )
 
 

@@ -11,10 +11,11 @@ from shared.model.checkpoint import Checkpoint
 
 
 def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path, max_len: int,
-                 threads: int = 2, device: str = "cpu") -> Batch1Backend:
+                 threads: int = 2, device: str = "cpu", cuda_graph: bool = True) -> Batch1Backend:
     """``onnx``: the model exported (once, cached beside it) and run by ONNX Runtime, on the
     CUDA or TensorRT provider when ``device`` is cuda and they are installed. ``torch``: the
-    engine's model over a dense buffer, CUDA-graph decode on a GPU."""
+    engine's model over a dense buffer, on a GPU with the Triton kernels and (``cuda_graph``)
+    its decode step replayed as a CUDA graph."""
     from edged.export import model_hash
 
     if kind == "onnx":
@@ -29,5 +30,6 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
 
         if device == "cpu":
             torch.set_num_threads(threads)
-        return TorchBackend(checkpoint, max_len, quant=quant, device=device, model_digest=model_hash(Path(model_path)))
+        return TorchBackend(checkpoint, max_len, quant=quant, device=device, model_digest=model_hash(Path(model_path)),
+                            cuda_graph=cuda_graph)
     raise ValueError(f"backend kind {kind!r}: must be 'onnx' or 'torch'")

@@ -1,8 +1,10 @@
 """Weight-only int8 and int4 quantization of a model's linear layers (activations stay float).
 
-- **int8**: one symmetric scale per output row; ``torch.ops.aten._weight_int8pack_mm``.
-- **int4**: asymmetric, one (scale, zero) per group of ``INT4_GROUP`` input columns, packed for
-  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (CPU) or ``_weight_int4pack_mm`` (CUDA, bf16).
+- **int8**: one symmetric scale per output row; ``torch.ops.aten._weight_int8pack_mm`` on the
+  CPU, the Triton GEMV/GEMM of ``kernels.triton_int8_matmul`` on CUDA.
+- **int4**: asymmetric, one (scale, minimum) per group of ``INT4_GROUP`` input columns (Q4_1's
+  form, ``kernels.triton_int4_matmul.Int4Weight``); packed for
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the CPU, the Triton GEMV/GEMM on CUDA.
 
 Embeddings stay float; the LM head (tied to the embeddings in small models) is quantized as its
 own copy.
@@ -12,6 +14,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels.triton_int4_matmul import Int4Weight, int4_matmul
+from kernels.triton_int8_matmul import int8_matmul
 
 INT4_GROUP = 32
 
@@ -27,7 +32,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] == 1 or flat.is_cuda:
+        if flat.is_cuda:
+            y = int8_matmul(flat, self.weight, self.scales)
+        elif flat.shape[0] == 1:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
         else:
             # NOTE: on CPUs without AVX-512 the packed kernel costs ~2 ms per row; a prefill
@@ -40,42 +47,35 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
         super().__init__()
-        w = linear.weight.detach().float()
+        w = linear.weight.detach()
         out_features, in_features = w.shape
         if in_features % group or out_features % 16:
             raise ValueError(f"int4 needs in_features a multiple of {group} and out_features of 16, "
                              f"got {in_features} and {out_features}")
-        grouped = w.view(out_features, -1, group)
-        low, high = grouped.amin(-1), grouped.amax(-1)
-        scales = (high - low).clamp(min=1e-8) / 15
-        codes = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-        codes = codes.view(out_features, in_features)
-        # The kernels compute (code - 8) * scale + zero, so zero is the group minimum + 8 scales.
-        zeros = low + 8 * scales
+        quantized = Int4Weight.quantize(w, group)
         self.group = group
-        self.cuda = w.is_cuda
-        dtype = torch.bfloat16 if self.cuda else linear.weight.dtype
-        self.register_buffer("packed", _pack_int4(codes))
-        self.register_buffer("scales_and_zeros", torch.stack([scales.T, zeros.T], dim=-1).contiguous().to(dtype))
+        self.on_gpu = w.is_cuda
+        if self.on_gpu:  # the Triton kernels read Q4_1's form as it is
+            self.register_buffer("packed", quantized.packed)
+            self.register_buffer("scales", quantized.scales)
+            self.register_buffer("minimums", quantized.minimums)
+        else:
+            codes = torch.stack([quantized.packed & 15, quantized.packed >> 4], dim=-1).flatten(1).to(torch.int32)
+            # torch's kernel computes (code - 8) * scale + zero: zero is the group minimum + 8 scales
+            zeros = quantized.minimums + 8 * quantized.scales
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scales_and_zeros", torch.stack([quantized.scales.T, zeros.T], dim=-1)
+                                 .contiguous().to(linear.weight.dtype))
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.cuda:
-            y = torch.ops.aten._weight_int4pack_mm(flat.to(torch.bfloat16), self.packed, self.group,
-                                                   self.scales_and_zeros).to(x.dtype)
+        if self.on_gpu:
+            y = int4_matmul(flat, Int4Weight(self.packed, self.scales, self.minimums, self.group))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
-
-
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int32 codes [N, K] in 0..15 -> the layout the device's int4 matmul expects."""
-    if codes.is_cuda:
-        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-        return torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
 
 QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}

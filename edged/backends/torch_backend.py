@@ -1,8 +1,12 @@
 """The torch batch-1 backend: the engine's own model over a dense KV buffer.
 
-On a GPU the one-token decode step is captured once as a CUDA graph at start-up and replayed
-(static input ids, position and buffer; ``kernels.dense_attention`` keeps every shape fixed).
-On CPU the same code runs eagerly. Weights can be int8 or int4 (``edged.backends.quantize``).
+With the Triton kernels (``kernels``; auto picks them on a GPU) it runs cloudd's: the layers of
+``kernels.triton_layers``, the attention of ``kernels.triton_attention``, the dense buffer
+``[max_len, kv_heads, head_dim]`` seen as a paged pool of ``GPU_BLOCK``-token blocks whose
+block table is 0, 1, 2, ... (slot = position). On a GPU the one-token decode step is captured
+once as a CUDA graph at start-up and replayed (static input id, position and context length).
+Otherwise the plain-torch ``kernels.dense_attention`` runs eagerly. Weights can be int8 or int4
+(``edged.backends.quantize``: Triton GEMV/GEMM on a GPU).
 """
 
 from __future__ import annotations
@@ -13,17 +17,26 @@ import numpy as np
 import torch
 
 from edged.backends.base import KVSnapshot
-from kernels.dense_attention import DenseAttentionStep
-from shared.model.checkpoint import Checkpoint
-from shared.model.llama import LlamaModel, build_model
 from edged.backends.quantize import quantize_linears
+from kernels.dense_attention import DenseAttentionStep
+from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
+from kernels.triton_decode_attention import DecodePlan, splits_for
+from kernels.triton_layers import TRITON_LAYERS
+from shared.engine.kernel_choice import resolve_kernels
+from shared.model.checkpoint import Checkpoint
+from shared.model.llama import AttentionStep, KVCache, LlamaModel, build_model
+
+GPU_BLOCK = 16  # tokens per block of the dense buffer seen as a paged pool on a GPU
+GPU_DECODE_PROGRAMS = 64  # split-KV ranges x KV heads of the batch-1 decode launch
 
 
 class TorchBackend:
     name = "torch"
 
     def __init__(self, checkpoint: Checkpoint, max_len: int, quant: str = "none", device: str = "cpu",
-                 model_digest: str = "", cuda_graph: bool = True):
+                 model_digest: str = "", cuda_graph: bool = True, kernels: str = "auto"):
+        """``kernels`` as ``[engine] kernels`` (``shared.engine.kernel_choice``): auto is Triton
+        on a GPU and the plain-torch dense attention on a CPU."""
         cfg = checkpoint.config
         self.quant = quant
         self.max_len = max_len
@@ -31,14 +44,21 @@ class TorchBackend:
         self.device = torch.device(device)
         self._digest = model_digest
         self.model: LlamaModel = quantize_linears(build_model(cfg, checkpoint.weights).to(self.device), quant)
-        shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.triton = resolve_kernels(kernels, device) == "triton"
+        rows = -(-max_len // GPU_BLOCK) * GPU_BLOCK if self.triton else max_len  # whole blocks for Triton
+        shape = (rows, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: one buffer per layer (see shared.engine.runner): slices of one big tensor get
         # copied whole under torch.compile and CUDA graphs replay them fine either way.
         self.kv = [(torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
                    for _ in range(cfg.num_layers)]
+        # the same memory as paged pools [blocks, GPU_BLOCK, kv_heads, head_dim] for the Triton kernels
+        self._pools: list[KVCache] = [(k.view(-1, GPU_BLOCK, *shape[1:]), v.view(-1, GPU_BLOCK, *shape[1:]))
+                                      for k, v in self.kv] if self.triton else self.kv
+        if self.triton:
+            self.model.layer_functions = TRITON_LAYERS
         self._graph: _DecodeGraph | None = None
-        if self.device.type == "cuda" and cuda_graph:
-            self._graph = _DecodeGraph(self.model, self.kv, self.device)
+        if self.triton and self.device.type == "cuda" and cuda_graph:
+            self._graph = _DecodeGraph(self.model, self._pools, self.device)
 
     @property
     def uses_cuda_graph(self) -> bool:
@@ -54,8 +74,18 @@ class TorchBackend:
             return self._graph.replay(token_ids[0], start)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
-        hidden = self.model(ids, positions, self.kv, DenseAttentionStep(positions, start + n))
+        hidden = self.model(ids, positions, self._pools, self._step(positions, start, n))
         return self.model.logits(hidden[-1:])[0].cpu()
+
+    def _step(self, positions: torch.Tensor, start: int, n: int) -> AttentionStep:
+        """Tokens ``start .. start + n - 1`` over the buffer: one extend segment of the Triton
+        kernels (its block table the buffer's first blocks), or dense attention."""
+        if not self.triton:
+            return DenseAttentionStep(positions, start + n)
+        blocks = list(range(-(-(start + n) // GPU_BLOCK)))
+        return TritonAttentionStep(TritonAttentionMetadata.build(
+            [], [], [(blocks, start, n)], list(range(start, start + n)), GPU_BLOCK, self._pools[0][0].shape[2],
+            self.device, target_programs=GPU_DECODE_PROGRAMS))
 
     def save_kv(self, length: int) -> KVSnapshot:
         def host(t: torch.Tensor) -> np.ndarray:
@@ -73,12 +103,18 @@ class TorchBackend:
 
 
 class _DecodeGraph:
-    """One decode step captured as a CUDA graph over static input, position and KV buffers."""
+    """One decode step captured as a CUDA graph over static input, position and context-length
+    buffers: the Triton decode kernel over the pools' every block, bounded by the length."""
 
-    def __init__(self, model: LlamaModel, kv: list, device: torch.device):
+    def __init__(self, model: LlamaModel, kv: list[KVCache], device: torch.device):
         self.ids = torch.zeros(1, dtype=torch.int64, device=device)
-        self.position = torch.zeros(1, dtype=torch.int64, device=device)
-        step = DenseAttentionStep(self.position, end=0, static_len=True)
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)  # also the KV slot: slot = position
+        self.context_len = torch.ones(1, dtype=torch.int64, device=device)
+        num_blocks, kv_heads = kv[0][0].shape[0], kv[0][0].shape[2]
+        table = torch.arange(num_blocks, device=device)[None, :]
+        plan = DecodePlan.per_row(table, self.context_len,
+                                  splits=splits_for(1, kv_heads, num_blocks, GPU_DECODE_PROGRAMS))
+        step = TritonAttentionStep(TritonAttentionMetadata(self.position, 1, plan, None))
 
         def run() -> torch.Tensor:
             return model.logits(model(self.ids, self.position, kv, step))
@@ -99,5 +135,6 @@ class _DecodeGraph:
     def replay(self, token: int, position: int) -> torch.Tensor:
         self.ids.fill_(token)
         self.position.fill_(position)
+        self.context_len.fill_(position + 1)
         self.graph.replay()
         return self.logits[0].cpu()

@@ -109,6 +109,8 @@ class EngineStats:
     tiers: TierStats | None = None  # HiCache counters, when the tiers are on
     dtype: str = "float32"  # what the model, activations and KV compute in
     compiled: bool = False  # the layers' dense halves run compiled (EngineConfig.compile)
+    kernels: str = "torch"  # what a step runs on: "torch" | "triton" (EngineConfig.kernels resolved)
+    cuda_graphs: bool = False  # decode-only steps replay CUDA graphs
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -148,9 +150,15 @@ class Engine:
             model.config.max_position_embeddings,
             (config.num_blocks - 1) * config.block_size,
         )
-        self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size)
-        # NOTE: compiled here, at start-up, so that no request waits on the compiler
-        self.compile_seconds = _compile_layers(model) if config.compile else None
+        kernels = config.kernel_choice
+        self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size, kernels=kernels,
+                                  cuda_graphs=config.uses_cuda_graphs, max_decode_rows=config.scheduler.max_num_seqs,
+                                  max_model_len=max_len)
+        # NOTE: compiled here, at start-up, so that no request waits on the compiler. The Triton
+        # layers are fused kernels already: nothing for inductor to fuse.
+        if config.compile and kernels == "triton":
+            log.info("compile ignored: the Triton kernels fuse the layers' small ops")
+        self.compile_seconds = _compile_layers(model) if config.compile and kernels == "torch" else None
         self.tiers = _make_tiers(config, self.pool, self.runner, lambda n: self.scheduler.rate.seconds_for(
             n, self.scheduler.config.max_num_batched_tokens))
         self.scheduler = Scheduler(
@@ -542,6 +550,8 @@ class Engine:
             tiers=dataclasses.replace(self.tiers.snapshot()) if self.tiers is not None else None,
             dtype=str(self.runner.dtype).removeprefix("torch."),
             compiled=self.compile_seconds is not None,
+            kernels=self.runner.kernels,
+            cuda_graphs=self.runner.graphs is not None,
         )
 
     # --- internals -------------------------------------------------------------------------

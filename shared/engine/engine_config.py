@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.dtype_choice import DTYPE_NAMES, DtypeChoice, resolve_dtype
+from shared.engine.kernel_choice import KERNEL_NAMES, resolve_kernels
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.scheduler import SchedulerConfig
 
@@ -29,6 +30,11 @@ class EngineConfig:
     # cloudd's config and command line turn it on; off here, so a library user or a test pays
     # no compile.
     compile: bool = False
+    # "auto" | "triton" | "torch" (shared.engine.kernel_choice): auto is Triton on CUDA
+    kernels: str = "auto"
+    # Decode-only steps replay CUDA graphs, one per batch-size bucket (shared.engine.decode_graphs);
+    # only with the Triton kernels on CUDA, ignored elsewhere
+    cuda_graphs: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # host/disk KV tiers
 
@@ -40,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.prefix_index not in ("radix", "hashed"):
             raise ValueError(f"prefix_index must be 'radix' or 'hashed', got {self.prefix_index!r}")
+        if self.kernels not in KERNEL_NAMES:
+            raise ValueError(f"kernels must be one of {list(KERNEL_NAMES)}, got {self.kernels!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.hicache.enabled and self.prefix_index != "radix":
@@ -49,6 +57,15 @@ class EngineConfig:
     def dtype_choice(self) -> DtypeChoice:
         """``dtype`` resolved for ``device`` ("auto": bf16 where the hardware has it natively)."""
         return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def kernel_choice(self) -> str:
+        """``kernels`` resolved for ``device``: "triton" or "torch" (ValueError where Triton cannot run)."""
+        return resolve_kernels(self.kernels, self.device)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.cuda_graphs and self.device.startswith("cuda") and self.kernel_choice == "triton"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
+
 import torch
 
 from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from kernels.greedy_head import greedy_head
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
+from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
+from kernels.triton_layers import TRITON_LAYERS
+from kernels.triton_support import check_tiles
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.engine.step_profile import StepProfile, TimedAttentionStep, maybe_phase
-from shared.model.llama import KVCache, LlamaModel
+from shared.model.llama import AttentionStep, KVCache, LlamaModel
 
 
 MAX_DECODE_ROWS_CHUNK = 48  # longer chunks (prompts) run as prefill segments
@@ -22,11 +29,30 @@ def _as_decode_rows(chunk: ScheduledChunk) -> bool:
     return chunk.start > 0 and len(chunk.token_ids) <= MAX_DECODE_ROWS_CHUNK
 
 
+@dataclass
+class StepInputs:
+    """A step's flat tokens (decode rows first, then prefill segments) as plain ints."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # KV slot of each token
+    decode_tables: list[list[int]] = field(default_factory=list)  # per decode row: blocks up to its position
+    decode_lens: list[int] = field(default_factory=list)  # per decode row: its context, itself included
+    prefills: list[tuple[list[int], int, int]] = field(default_factory=list)  # (block table, cached, new)
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits the step samples
+
+
 class ModelRunner:
     """Holds the model and its KV pool: one (K, V) pair of tensors per layer. The pool and every
-    per-step tensor live on the model's device (``self.device``), wherever the caller put it."""
+    per-step tensor live on the model's device (``self.device``), wherever the caller put it.
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    ``kernels`` ("torch" or "triton", ``shared.engine.kernel_choice``) picks the attention and
+    the layers' fused ops; with "triton" on a CUDA device and ``cuda_graphs``, decode-only
+    steps of up to ``max_decode_rows`` rows replay CUDA graphs (``shared.engine.decode_graphs``)
+    captured here for contexts up to ``max_model_len``."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kernels: str = "torch",
+                 cuda_graphs: bool = False, max_decode_rows: int = 256, max_model_len: int = 8192):
         cfg = model.config
         self.dtype = dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
@@ -45,8 +71,19 @@ class ModelRunner:
         # On a CPU the compiled kernel reads every decode row's blocks in place (where it builds):
         # faster there than the cascade of batched GEMMs over gathered copies, which remains
         # the path of other devices (until their kernels) and the reference.
-        self.decode_in_place = self.device.type == "cpu" and supports_in_place_decode(cfg.head_dim, dtype)
+        self.kernels = kernels
+        self.decode_in_place = kernels == "torch" and self.device.type == "cpu" and supports_in_place_decode(
+            cfg.head_dim, dtype)
+        if kernels == "triton":
+            check_tiles(block_size=block_size, head_dim=cfg.head_dim)
+            model.layer_functions = TRITON_LAYERS
+        elif kernels != "torch":
+            raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
         self._flops = _FlopCounter(model)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and kernels == "triton" and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.kv_caches, max_decode_rows, -(-max_model_len // block_size),
+                                       block_size, NULL_BLOCK, decode_programs(self.device))
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits [rows, vocab] in the model's dtype on the CPU:
@@ -84,19 +121,35 @@ class ModelRunner:
         profile = self.profile
         with maybe_phase(profile, "metadata"):
             self._copy_slots(out.copies)
-            input_ids, positions, meta, sample_rows = self._prepare(out)
+            inputs = self._prepare(out)
         attention_before = profile.seconds["attention"] if profile is not None else 0.0
         with maybe_phase(profile, "model"):
-            step = PagedAttentionStep(meta, out.fences)
-            hidden = self.model(input_ids, positions, self.kv_caches,
-                                step if profile is None else TimedAttentionStep(step, profile))
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+            if self.graphs is not None and not inputs.prefills and not out.fences and self.graphs.takes(
+                    len(inputs.input_ids)):
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.decode_tables,
+                                         inputs.decode_lens)
+            else:
+                hidden = self._eager_forward(inputs, out.fences)
             hidden = hidden.index_select(0, rows)
         if profile is not None:  # attention ran inside the model's phase: count it once
             profile.seconds["model"] -= profile.seconds["attention"] - attention_before
-            profile.flops += self._flops.step(out, len(sample_rows))
-            profile.computed_tokens += len(input_ids)
+            profile.flops += self._flops.step(out, len(inputs.sample_rows))
+            profile.computed_tokens += len(inputs.input_ids)
         return hidden
+
+    def _eager_forward(self, inputs: StepInputs, fences: tuple) -> torch.Tensor:  # [T, hidden]
+        meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots)
+        step = self._step(meta, fences)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        return self.model(ids, positions, self.kv_caches,
+                          step if self.profile is None else TimedAttentionStep(step, self.profile))
+
+    def _step(self, meta, fences: tuple = ()) -> AttentionStep:
+        if self.kernels == "triton":
+            return TritonAttentionStep(meta, fences)
+        return PagedAttentionStep(meta, fences)
 
     def warm_up(self, num_tokens: int) -> None:
         """One forward of ``num_tokens`` dummy prompt tokens, so the first request does not pay
@@ -106,53 +159,47 @@ class ModelRunner:
         table = [NULL_BLOCK] * -(-num_tokens // bs)
         meta = self._metadata([], [], [(table, 0, num_tokens)], [NULL_BLOCK * bs + i % bs for i in range(num_tokens)])
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(tokens, torch.arange(num_tokens, device=self.device), self.kv_caches,
-                            PagedAttentionStep(meta))
+        hidden = self.model(tokens, torch.arange(num_tokens, device=self.device), self.kv_caches, self._step(meta))
         self.model.logits(hidden[-1:], dtype=None)
         for k_cache, v_cache in self.kv_caches:
             k_cache[NULL_BLOCK].zero_()
             v_cache[NULL_BLOCK].zero_()
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """The step's flat token ids [T], positions [T], attention metadata and logits rows."""
+    def _prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's flat tokens, their KV slots, what each attends to, and the logits rows."""
         bs = self.block_size
         row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]
         segment_chunks = [c for c in out.prefills if not _as_decode_rows(c)]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []  # per decode row: the blocks up to its position
-        decode_lens: list[int] = []
+        step = StepInputs()
         offset: dict[int, int] = {}  # id(chunk) -> its first row
         for chunk in row_chunks:
-            offset[id(chunk)] = len(input_ids)
-            input_ids += chunk.token_ids
+            offset[id(chunk)] = len(step.input_ids)
+            step.input_ids += chunk.token_ids
             table = chunk.block_table
             for p in range(chunk.start, chunk.start + len(chunk.token_ids)):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-                decode_tables.append(table[: p // bs + 1])
-                decode_lens.append(p + 1)
+                step.positions.append(p)
+                step.slots.append(table[p // bs] * bs + p % bs)
+                step.decode_tables.append(table[: p // bs + 1])
+                step.decode_lens.append(p + 1)
         for chunk in segment_chunks:
-            offset[id(chunk)] = len(input_ids)
-            input_ids += chunk.token_ids
-            positions += range(chunk.start, chunk.end)
-            slots += slot_ids(chunk.block_table, chunk.start, chunk.end, bs)
-        meta = self._metadata(
-            decode_tables, decode_lens,
-            [(c.block_table[: -(-c.end // bs)], c.start, len(c.token_ids)) for c in segment_chunks],
-            slots,
-        )
-        sample_rows = []
+            offset[id(chunk)] = len(step.input_ids)
+            step.input_ids += chunk.token_ids
+            step.positions += range(chunk.start, chunk.end)
+            step.slots += slot_ids(chunk.block_table, chunk.start, chunk.end, bs)
+            step.prefills.append((chunk.block_table[: -(-chunk.end // bs)], chunk.start, len(chunk.token_ids)))
         for c in out.chunks:
             end = offset[id(c)] + len(c.token_ids)
-            sample_rows += range(end - c.num_logits, end)
-        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device), meta, sample_rows)
+            step.sample_rows += range(end - c.num_logits, end)
+        return step
 
     def _metadata(self, decode_block_tables: list[list[int]], decode_context_lens: list[int],
-                  prefills: list[tuple[list[int], int, int]], slot_mapping: list[int]) -> AttentionMetadata:
-        """A step's attention metadata in this runner's pool, on its device, for its kernels."""
+                  prefills: list[tuple[list[int], int, int]], slot_mapping: list[int]):
+        """A step's attention metadata in this runner's pool, on its device, for its kernels
+        (``AttentionMetadata``, or ``TritonAttentionMetadata`` with the Triton kernels)."""
+        if self.kernels == "triton":
+            return TritonAttentionMetadata.build(decode_block_tables, decode_context_lens, prefills, slot_mapping,
+                                                 self.block_size, self.model.config.num_kv_heads, self.device,
+                                                 decode_programs(self.device))
         return AttentionMetadata.build(
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
@@ -176,6 +223,14 @@ class ModelRunner:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[dst] = flat[src]
+
+
+def decode_programs(device: torch.device) -> int:
+    """How many programs a Triton decode launch should have: two per streaming multiprocessor
+    on a GPU; one per core interpreted on a CPU (it runs them one after another there)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
 
 
 class _FlopCounter:

@@ -76,9 +76,9 @@ class TimedAttentionStep:
     step: AttentionStep
     profile: StepProfile
 
-    def attend(self, layer, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, scale: float, rope=None) -> torch.Tensor:
         with self.profile.phase("attention"):
-            return self.step.attend(layer, q, k, v, kv_cache, scale)
+            return self.step.attend(layer, q, k, v, kv_cache, scale, rope)
 
 
 def matmul_peak_flops(dtype: torch.dtype, device: torch.device | str = "cpu", n: int = 2048, reps: int = 5) -> float:

@@ -20,6 +20,8 @@ from typing import Protocol
 
 from shared.model.model_config import ModelConfig, RopeScaling
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim // 2] in the model's dtype
+
 # One layer's (K, V) cache, in whatever layout the step's AttentionStep reads: the engine's
 # paged pools [num_blocks, block_size, kv_heads, head_dim], or edged's dense [max_len, kv_heads, head_dim].
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -38,8 +40,11 @@ class AttentionStep(Protocol):
         v: torch.Tensor,  # [T, kv_heads, head_dim]
         kv_cache: KVCache,
         scale: float,
+        rope: RopeTables | None = None,  # given: q and k are not rotated yet; rotate them first
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        """Write this step's ``k``/``v`` into ``kv_cache`` and attend ``q`` over its context."""
+        """Write this step's ``k``/``v`` into ``kv_cache`` and attend ``q`` over its context.
+        With ``rope``, q and k come unrotated (layer functions with ``rotary_in_attention``) and
+        the step rotates them, a GPU step in the same kernel as its KV write."""
         ...
 
 
@@ -81,7 +86,6 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim // 2] in the model's dtype
 
 
 class RotaryEmbedding(nn.Module):
@@ -108,6 +112,11 @@ def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotated(q: torch.Tensor, k: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by ``rope``; as they are without one (an ``AttentionStep``'s ``rope``)."""
+    return (q, k) if rope is None else (apply_rotary(q, rope), apply_rotary(k, rope))
 
 
 class Attention(nn.Module):
@@ -180,11 +189,14 @@ def attention_outputs(
 
 @dataclass(frozen=True)
 class LayerFunctions:
-    """The two dense halves of every layer: eager, or compiled once for all layers (the weights
-    are arguments, so every layer runs the same compiled code)."""
+    """The two dense halves of every layer: eager, compiled once for all layers (the weights
+    are arguments, so every layer runs the same compiled code), or a device's fused kernels
+    (``kernels.triton_layers``)."""
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
     attention_outputs: Callable[..., torch.Tensor] = attention_outputs
+    # attention_inputs leaves q and k unrotated: the step's attend rotates them (given the tables)
+    rotary_in_attention: bool = False
 
 
 EAGER = LayerFunctions()
@@ -208,7 +220,8 @@ class DecoderLayer(nn.Module):
         q, k, v = fns.attention_inputs(x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight,
                                        attn.qkv_proj.bias, *rope, attn.num_heads, attn.num_kv_heads)
         # NOTE: contiguous: a compiled half is specialized to its inputs' strides
-        attended = step.attend(attn.layer, q, k, v, kv_cache, attn.scale).contiguous()
+        attended = step.attend(attn.layer, q, k, v, kv_cache, attn.scale,
+                               rope if fns.rotary_in_attention else None).contiguous()
         return fns.attention_outputs(x, attended, attn.o_proj.weight, self.post_attention_layernorm.weight,
                                      self.post_attention_layernorm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
 

@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention_metadata import _decode_problems
+from kernels.attention_metadata import decode_problems
 from kernels.triton_decode_attention import (DecodePlan, decode_partials, paged_decode_attention,
                                              reference_decode_attention, splits_for)
 from tests.kernels.triton.conftest import tolerance
 
 BS, DIM, NUM_BLOCKS = 16, 16, 48
-DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 
 def pools(kv_heads: int, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ def test_cascade_over_shared_prefixes_equals_reference(device, seed, rows, group
     kv_heads = 2
     k, v = pools(kv_heads, dtype, device, seed)
     q = torch.randn(rows, kv_heads * group, DIM, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
-    problems, parts = _decode_problems(tables, lens, BS, min_saved_tokens=1)
+    problems, parts = decode_problems(tables, lens, BS, min_saved_tokens=1)
     plan = DecodePlan.from_problems(problems, rows, parts, kv_heads, device, target_programs=target_programs)
     out = paged_decode_attention(q, k, v, plan, scale=DIM**-0.5)
     torch.testing.assert_close(out.float().cpu(), reference_decode_attention(q, k, v, tables, lens, DIM**-0.5).float().cpu(),
@@ -81,7 +81,7 @@ def test_a_cascade_problem_serves_every_row_that_shares_it(device):
     partial slot of each row's prefix part is filled by a single program per KV head."""
     tables = [[1, 2, 10 + r] for r in range(3)]
     lens = [40, 41, 42]
-    problems, parts = _decode_problems(tables, lens, BS, min_saved_tokens=1)
+    problems, parts = decode_problems(tables, lens, BS, min_saved_tokens=1)
     shared = [p for p in problems if len(p.rows) > 1]
     assert len(shared) == 1 and shared[0].rows == [0, 1, 2] and shared[0].blocks == [1, 2]
     k, v = pools(1, torch.float32, device, 0)

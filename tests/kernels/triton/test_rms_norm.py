@@ -13,7 +13,7 @@ from tests.kernels.triton.conftest import tolerance
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 5), hidden=st.sampled_from([16, 48, 96]),
-       with_residual=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       with_residual=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_add_rms_norm_equals_the_models(device, seed, rows, hidden, with_residual, dtype):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype).to(device)
@@ -23,6 +23,8 @@ def test_add_rms_norm_equals_the_models(device, seed, rows, hidden, with_residua
     ref_normed, ref_total = reference_add_rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(total.cpu(), ref_total.cpu())  # the add rounds as the model's does
     torch.testing.assert_close(normed.float().cpu(), ref_normed.float().cpu(), **tolerance(dtype))
+    if dtype != torch.float32:  # HF's roundings: bit for bit but for a rare last-bit rsqrt difference on a GPU
+        assert (normed != ref_normed).float().mean() <= 0.01
 
 
 def test_without_a_residual_the_input_is_the_sum(device):
