@@ -17,27 +17,30 @@ import sys
 import tempfile
 from pathlib import Path
 
-from robot_sdk import Plan, PlanClient, skill
+from robot_sdk import Place, Plan, PlanClient, Scene, Thing, skill
 from shared.daemon_process import DaemonProcess
 from shared.transport.curve import create_keys
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENE = ("Scene: Robot amr-030. Battery 58 percent. Current location: charging dock 2. "
-         "Tote 12 is on waypoint 17. Shelf A3 is in aisle 4.")
+# What the robot sees: a grounded argument (Place, Thing) can name only these, whatever the model writes.
+SCENE = Scene(places=("charging dock 2", "waypoint 17", "aisle 4", "shelf A3", "elevator"),
+              objects=("tote 12", "shelf A3"),
+              notes="Robot amr-030, battery 58 percent, at charging dock 2. Tote 12 is on waypoint 17. "
+                    "Shelf A3 is in aisle 4.")
 
 
 @skill
-def goto(waypoint: str) -> None:
+def goto(waypoint: Place) -> None:
     """drive to a named waypoint"""
 
 
 @skill
-def lift() -> None:
+def lift(load: Thing) -> None:
     """lift the shelf or tote under the robot"""
 
 
 @skill
-def lower() -> None:
+def lower(load: Thing) -> None:
     """lower the carried shelf or tote"""
 
 
@@ -92,6 +95,9 @@ def show(title: str, plan: Plan) -> None:
     print(f"\n== {title}\n   answered on: {where}{why}\n   timings: {timings}")
     for i, step in enumerate(plan.steps, 1):
         print(f"   {i}. {step.skill} {step.args}")
+    grounded = {"waypoint": SCENE.places, "load": SCENE.objects}
+    unknown = [v for step in plan.steps for k, v in step.args.items() if k in grounded and v not in grounded[k]]
+    assert not unknown, f"a plan named something outside the scene: {unknown}"  # the grammar makes this impossible
     print(f"   done: {plan.done}, confidence: {plan.confidence}")
 
 
@@ -114,12 +120,12 @@ def main() -> int:
             print(cloudd.lines[-1], "\n" + edged.lines[-1], flush=True)
             with robot:
                 show("1. a plan for the robot", robot.plan(
-                    "bring tote 12 from waypoint 17 to shelf A3.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=200))
+                    "bring tote 12 from waypoint 17 to shelf A3.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=300))
                 show("2. a multi-floor plan (escalated by tag)", robot.plan(
-                    "bring tote 12 to the second floor.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=200,
+                    "bring tote 12 to the second floor.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=300,
                     tags=["multi-floor"]))
                 show("3. an urgent safety plan with a 20 s deadline", robot.plan(
-                    "a person is in aisle 4: stop and report.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=200,
+                    "a person is in aisle 4: stop and report.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=300,
                     priority="safety", deadline_ms=20_000))
             print("\n== fleetctl status (cloudd)", flush=True)
             subprocess.run([sys.executable, "-m", "cloudd.fleetctl", "status", "--endpoint",

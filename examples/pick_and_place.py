@@ -16,8 +16,8 @@ import argparse
 import enum
 import sys
 
-from robot_sdk import (DeadlineExceeded, InvalidPlan, PlanClient, PlanDone, PlanError, PlanStepEvent, PlanText,
-                       Unavailable, as_skills, skill)
+from robot_sdk import (DeadlineExceeded, InvalidPlan, Place, PlanClient, PlanDone, PlanError, PlanStepEvent,
+                       PlanText, Scene, Thing, Unavailable, as_skills, skill)
 
 
 class Grasp(enum.Enum):
@@ -26,7 +26,7 @@ class Grasp(enum.Enum):
 
 
 @skill
-def move_to(location: str) -> None:
+def move_to(location: Place) -> None:
     """drive the base to a named location"""
     print(f"    [base] driving to {location}")
 
@@ -38,13 +38,13 @@ def detect(object: str) -> None:
 
 
 @skill
-def pick(object: str, grasp: Grasp) -> None:
+def pick(object: Thing, grasp: Grasp) -> None:
     """grasp an object with the gripper; use the gentle grasp for fragile objects"""
     print(f"    [arm] picking {object} with a {grasp.value} grasp")
 
 
 @skill
-def place(object: str, location: str) -> None:
+def place(object: Thing, location: Place) -> None:
     """put the held object at a location"""
     print(f"    [arm] placing {object} on {location}")
 
@@ -58,12 +58,11 @@ def ask_human(question: str) -> None:
 SKILLS = [move_to, detect, pick, place, ask_human]
 RULES = ("Safety rules: never move through a zone occupied by a person; pick glass with the gentle grasp; "
          "if the task is unclear, use ask_human.")
-SCENE = {
-    "robot": "mobile manipulator at the dining table, gripper empty, battery 74 percent",
-    "objects": {"red cup": "dining table", "glass jar": "dining table", "sponge": "sink"},
-    "places": ["dining table", "kitchen counter", "shelf A3", "sink"],
-    "people": "none nearby",
-}
+# Places and objects a plan may name (the grammar allows no others); detect() looks for anything else.
+SCENE = Scene(places=("dining table", "kitchen counter", "shelf A3", "sink"),
+              objects=("red cup", "glass jar", "sponge"),
+              notes="Mobile manipulator at the dining table, gripper empty, battery 74 percent. The red cup and "
+                    "the glass jar are on the dining table, the sponge in the sink. Nobody nearby.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("task")
     parser.add_argument("--scene", default="", help="scene as a JSON object")
-    parser.add_argument("--skills", default="", help="skill-set id (fleet, amr, manipulator, ...)")
+    parser.add_argument("--skills", default="", help="skill-set id (fleet, amr, manipulator, warehouse, ...)")
+    for kind in ("places", "objects", "people"):
+        parser.add_argument(f"--{kind}", type=lambda s: [n.strip() for n in s.split(",") if n.strip()], default=[],
+                            help=f"the scene's {kind}, comma-separated: a grounded skill argument names only these")
     parser.add_argument("--schema", default="", help="a raw JSON schema instead of a skill set")
     parser.add_argument("--priority", default="", choices=["", "safety", "interactive", "plan", "background"])
     parser.add_argument("--deadline-ms", type=int, default=0)
@@ -46,7 +49,8 @@ def main() -> int:
     node = Node("fleetserve_plan_client")
     try:
         fields = dict(task=args.task, scene_json=args.scene, skills=args.skills, schema_json=args.schema,
-                      priority=args.priority, deadline_ms=args.deadline_ms, escalation=args.escalation)
+                      priority=args.priority, deadline_ms=args.deadline_ms, escalation=args.escalation,
+                      scene_places=args.places, scene_objects=args.objects, scene_people=args.people)
         return (call_service if args.service else run_action)(node, args, fields)
     except KeyboardInterrupt:
         return 130

@@ -9,12 +9,13 @@ from robot_sdk.client import DEADLINE_GRACE_S, PlanClient
 from robot_sdk.errors import (Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, PlanError, Rejected,
                               Unavailable)
 from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStep, PlanStepEvent, PlanText
+from robot_sdk.scene import Person, Place, Scene, Thing
 from robot_sdk.skills import Arg, Skill, as_skills, skill
 from shared.protocol.messages import Escalation, Priority
 
 __all__ = [
     "AsyncPlanClient", "PlanClient", "DEADLINE_GRACE_S",
     "Plan", "PlanStep", "PlanText", "PlanStepEvent", "PlanDone", "PlanEvent", "ChatReply",
-    "Skill", "Arg", "skill", "as_skills", "Priority", "Escalation",
+    "Skill", "Arg", "skill", "as_skills", "Scene", "Place", "Thing", "Person", "Priority", "Escalation",
     "PlanError", "DeadlineExceeded", "Rejected", "Unavailable", "InvalidPlan", "InvalidRequest", "Cancelled",
 ]

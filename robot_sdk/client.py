@@ -22,8 +22,10 @@ from typing import Any
 import zmq
 
 from robot_sdk.errors import Cancelled, DeadlineExceeded, InvalidPlan, Unavailable, error_from_reply
+from robot_sdk.plan_budget import steps_that_fit
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
 from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStepEvent, PlanText
+from robot_sdk.scene import Scene
 from robot_sdk.skills import Skill, as_skills
 from robot_sdk.step_scanner import StepScanner
 from robot_sdk.validate import PlanChecker
@@ -74,12 +76,18 @@ class PlanClient:
 
     # --- plans ------------------------------------------------------------------------------
 
-    def plan(self, task: str, scene: Mapping[str, Any] | str | None = None, skills: Sequence[SkillLike] | None = None,
-             schema: Mapping[str, Any] | None = None, priority: Priority | str = "plan", deadline_ms: int | None = None,
+    def plan(self, task: str, scene: Scene | Mapping[str, Any] | str | None = None,
+             skills: Sequence[SkillLike] | None = None, schema: Mapping[str, Any] | None = None,
+             priority: Priority | str = "plan", deadline_ms: int | None = None,
              escalation: Escalation | str = "auto", max_tokens: int = 384, request_id: str | None = None,
              max_steps: int = DEFAULT_MAX_STEPS, tags: Sequence[str] = ()) -> Plan:
         """A plan for ``task`` over ``skills`` (or matching the JSON ``schema``), validated.
-        ``tags`` name the kind of task; edged escalates the tags its config lists.
+        ``tags`` name the kind of task; edged escalates the tags its config lists. A skill
+        argument of a scene kind (``Place``, ``Thing``, ``Person``) can name only what ``scene``
+        (a ``Scene``, or a dict of its fields) names of that kind: the daemon's grammar allows
+        nothing else and the plan is checked against it. The grammar allows as many steps (up
+        to ``max_steps``) as ``max_tokens`` surely holds (``robot_sdk.plan_budget``), so a plan
+        always closes; ValueError when not even one step fits.
 
         Raises DeadlineExceeded, Rejected, Unavailable, InvalidPlan (the answer breaks the skills,
         or max_tokens ran out first), InvalidRequest or Cancelled; ValueError/TypeError for bad
@@ -89,7 +97,7 @@ class PlanClient:
                                       request_id, max_steps, tags, stream=False)
         return self._finish_plan(self._await_end(prepared), prepared)
 
-    def stream(self, task: str, scene: Mapping[str, Any] | str | None = None,
+    def stream(self, task: str, scene: Scene | Mapping[str, Any] | str | None = None,
                skills: Sequence[SkillLike] | None = None, schema: Mapping[str, Any] | None = None,
                priority: Priority | str = "plan", deadline_ms: int | None = None,
                escalation: Escalation | str = "auto", max_tokens: int = 384, request_id: str | None = None,
@@ -200,11 +208,20 @@ class PlanClient:
             raise ValueError("give exactly one of skills=[...] and schema={...}")
         declared = as_skills(skills) if skills is not None else None
         _positive(max_steps, "max_steps")
+        # the system prompt from the skills as declared (the same for every robot: pinned on edged),
+        # the grammar and the checks from the skills grounded in this request's scene
         system = system_prompt(declared, schema, max_steps, self.instructions)
+        if declared is not None and any(s.needs_scene for s in declared) and isinstance(scene, Mapping):
+            scene = Scene.from_mapping(scene)
+        grounded = tuple(s.grounded(scene if isinstance(scene, Scene) else None) for s in declared) \
+            if declared is not None else None
+        _positive(max_tokens, "max_tokens")
+        # the grammar's step bound: as many steps as max_tokens surely holds, so a plan always closes
+        steps = steps_that_fit(grounded, max_steps, max_tokens) if grounded is not None else max_steps
         messages = tuple(ChatMessage(m["role"], m["content"]) for m in plan_messages(task, scene, system))
-        checker = PlanChecker(declared, max_steps)
-        sampling = Sampling(max_tokens=_positive(max_tokens, "max_tokens"))
-        return self._prepare(messages, sampling, response_format(declared, schema, max_steps), priority, deadline_ms,
+        checker = PlanChecker(grounded, steps)
+        sampling = Sampling(max_tokens=max_tokens)
+        return self._prepare(messages, sampling, response_format(grounded, schema, steps), priority, deadline_ms,
                              escalation, request_id, checker, stream, tags)
 
     def _prepare(self, messages, sampling, fmt, priority, deadline_ms, escalation, request_id, checker,

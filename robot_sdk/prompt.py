@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from robot_sdk.scene import Scene
 from robot_sdk.skills import Skill
 
 PLAN_FORM = (
@@ -39,13 +40,17 @@ def system_prompt(skills: Sequence[Skill] | None, schema: Mapping[str, Any] | No
     return "\n".join(lines)
 
 
-def plan_messages(task: str, scene: Mapping[str, Any] | str | None, system: str) -> tuple[dict[str, str], ...]:
-    """system, then "Scene: ..." (a dict is written as JSON), then "Task: ..."."""
+def plan_messages(task: str, scene: Scene | Mapping[str, Any] | str | None,
+                  system: str) -> tuple[dict[str, str], ...]:
+    """system, then "Scene: ..." (a Scene lists its names by kind, a dict is written as JSON),
+    then "Task: ..."."""
     if not isinstance(task, str) or not task.strip():
         raise ValueError(f"task: expected a non-empty string, got {task!r}")
     messages = [{"role": "system", "content": system}]
     if scene is not None:
-        if isinstance(scene, Mapping):
+        if isinstance(scene, Scene):
+            scene = scene.describe()
+        elif isinstance(scene, Mapping):
             try:
                 scene = json.dumps(scene, ensure_ascii=False, sort_keys=True)
             except (TypeError, ValueError) as e:

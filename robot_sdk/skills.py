@@ -9,9 +9,12 @@ A skill is a function or a dataclass with typed arguments and a docstring::
 
 Argument types map onto the daemon's skill format (``shared/engine/grammar/response_format``):
 ``str`` -> "string", ``int`` -> "integer", ``float`` -> "number", ``bool`` -> "boolean", and a
-``Literal`` of strings or an ``Enum`` with string values -> a list of the allowed strings. Every
-argument is required in a plan (the daemon's plan schema allows no optional ones); defaults are
-ignored. Anything else is a ``TypeError`` naming the skill and the argument.
+``Literal`` of strings or an ``Enum`` with string values -> a list of the allowed strings. A
+scene kind (``robot_sdk.scene``: ``Place``, ``Thing``, ``Person``; "place", "object", "person"
+in ``Skill.of``) becomes, per request, the list of the scene's names of that kind
+(``Skill.grounded``). Every argument is required in a plan (the daemon's plan schema allows no
+optional ones); defaults are ignored. Anything else is a ``TypeError`` naming the skill and the
+argument.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-ArgKind = str | tuple[str, ...]  # "string" | "integer" | "number" | "boolean", or the enum values
+from robot_sdk.scene import SCENE_KINDS, Scene, SceneKind
+
+# "string" | "integer" | "number" | "boolean", the enum values, or a scene kind (until grounded)
+ArgKind = str | tuple[str, ...] | SceneKind
 _SCALAR_KINDS: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_SCENE_KIND_NAMES: dict[str, SceneKind] = {kind.noun: kind for kind in SCENE_KINDS.values()}
 _SKILL_ATTR = "__fleet_skill__"
 
 
@@ -39,6 +46,8 @@ class Arg:
         """True if ``value`` (decoded JSON) is of this argument's type."""
         if isinstance(self.kind, tuple):
             return isinstance(value, str) and value in self.kind
+        if isinstance(self.kind, SceneKind):  # not grounded: any name (a grounded one is an enum)
+            return isinstance(value, str)
         if self.kind == "boolean":
             return isinstance(value, bool)
         if isinstance(value, bool):
@@ -50,6 +59,8 @@ class Arg:
         return isinstance(value, str)
 
     def describe(self) -> str:
+        if isinstance(self.kind, SceneKind):
+            return f"{self.name}: a {self.kind.noun} named in the scene"
         kind = " | ".join(f'"{v}"' for v in self.kind) if isinstance(self.kind, tuple) else self.kind
         return f"{self.name}: {kind}"
 
@@ -112,8 +123,32 @@ class Skill:
             doc = ""
         return cls(skill_name, description or _first_paragraph(doc), args, klass)
 
+    @property
+    def needs_scene(self) -> bool:
+        """Whether an argument names something of the scene (``grounded`` then needs one)."""
+        return any(isinstance(a.kind, SceneKind) for a in self.args)
+
+    def grounded(self, scene: Scene | None) -> Skill:
+        """This skill for one request: each scene-kind argument an enum of ``scene``'s names of
+        its kind. ValueError when the scene names nothing of a kind an argument needs."""
+        if not self.needs_scene:
+            return self
+        args = []
+        for a in self.args:
+            if isinstance(a.kind, SceneKind):
+                names = scene.names(a.kind) if scene is not None else ()
+                if not names:
+                    raise ValueError(f"skill {self.name!r}: argument {a.name!r} names a {a.kind.noun}, and "
+                                     f"{'no scene was given' if scene is None else f'the scene has no {a.kind.field}'}")
+                a = dataclasses.replace(a, kind=names)
+            args.append(a)
+        return dataclasses.replace(self, args=tuple(args))
+
     def to_wire(self) -> dict[str, Any]:
-        """The entry of a ``{"type": "skills", "skills": [...]}`` response_format."""
+        """The entry of a ``{"type": "skills", "skills": [...]}`` response_format (of a grounded
+        skill: ValueError for a scene-kind argument)."""
+        if self.needs_scene:
+            raise ValueError(f"skill {self.name!r} names scene things: ground it in the request's scene first")
         return {"name": self.name, "description": self.description,
                 "args": {a.name: list(a.kind) if isinstance(a.kind, tuple) else a.kind for a in self.args}}
 
@@ -186,6 +221,8 @@ def _arg(skill_name: str, arg_name: str, hint: Any) -> Arg:
     where = f"skill {skill_name!r}: argument {arg_name!r}"
     if hint is inspect.Parameter.empty:
         raise TypeError(f"{where} has no type hint")
+    if hint in SCENE_KINDS:
+        return Arg(arg_name, SCENE_KINDS[hint], hint)
     if hint in _SCALAR_KINDS:
         return Arg(arg_name, _SCALAR_KINDS[hint], hint)
     if typing.get_origin(hint) is Literal:
@@ -198,18 +235,20 @@ def _arg(skill_name: str, arg_name: str, hint: Any) -> Arg:
         if values and all(isinstance(v, str) for v in values):
             return Arg(arg_name, values, hint)
         raise TypeError(f"{where}: Enum {hint.__name__} must have string values")
-    raise TypeError(f"{where} has type {hint!r}; use str, int, float, bool, a Literal of strings "
-                    "or an Enum with string values")
+    raise TypeError(f"{where} has type {hint!r}; use str, int, float, bool, a Literal of strings, "
+                    "an Enum with string values or a scene kind (Place, Thing, Person)")
 
 
 def _plain_kind(skill_name: str, arg_name: str, kind: Any) -> ArgKind:
     if kind in _SCALAR_KINDS.values():
         return kind
+    if isinstance(kind, str) and kind in _SCENE_KIND_NAMES:
+        return _SCENE_KIND_NAMES[kind]
     if isinstance(kind, Sequence) and not isinstance(kind, str) and kind and all(isinstance(v, str) for v in kind):
         if len(set(kind)) == len(kind):
             return tuple(kind)
     raise ValueError(f"skill {skill_name!r}: argument {arg_name!r} has kind {kind!r}; expected "
-                     f"{', '.join(_SCALAR_KINDS.values())} or a list of distinct strings")
+                     f"{', '.join([*_SCALAR_KINDS.values(), *_SCENE_KIND_NAMES])} or a list of distinct strings")
 
 
 def _doc(obj: Any) -> str:
@@ -222,7 +261,7 @@ def _first_paragraph(doc: str) -> str:
 
 
 def _rebuild(arg: Arg, value: Any) -> Any:
-    if isinstance(arg.py_type, type) and issubclass(arg.py_type, enum.Enum):
+    if isinstance(arg.py_type, type) and (issubclass(arg.py_type, enum.Enum) or arg.py_type in SCENE_KINDS):
         return arg.py_type(value)
     if arg.py_type is float and isinstance(value, int):
         return float(value)

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from robot_sdk.scene import Scene
 from robot_sdk.skills import Skill
 from shared.protocol.messages import Escalation, Priority
 
@@ -53,7 +54,7 @@ class PlanArgs:
     """Exactly one of ``skills`` and ``schema`` is set; ``skills_id`` names the set used."""
 
     task: str
-    scene: dict[str, Any] | None
+    scene: Scene | dict[str, Any] | None
     skills: tuple[Skill, ...] | None
     schema: dict[str, Any] | None
     skills_id: str
@@ -76,7 +77,7 @@ def plan_args(goal: Any, defaults: PlanDefaults, skill_sets: Mapping[str, tuple[
         raise ValueError("task: empty")
     if len(task) > defaults.max_task_chars:
         raise ValueError(f"task: {len(task)} characters, over max_task_chars={defaults.max_task_chars}")
-    scene = _json_object(goal.scene_json, "scene_json", defaults.max_scene_chars)
+    scene = _scene(goal, defaults.max_scene_chars)
     schema = _json_object(goal.schema_json, "schema_json", defaults.max_scene_chars)
     skills_id = "" if schema is not None else (goal.skills or defaults.skills)
     if schema is None and skills_id not in skill_sets:
@@ -93,6 +94,17 @@ def plan_args(goal: Any, defaults: PlanDefaults, skill_sets: Mapping[str, tuple[
     deadline_ms = goal.deadline_ms or defaults.deadline_ms or None
     return PlanArgs(task, scene, None if schema is not None else skill_sets[skills_id], schema, skills_id,
                     priority, deadline_ms, escalation, max_tokens)
+
+
+def _scene(goal: Any, max_chars: int) -> Scene | dict[str, Any] | None:
+    """A ``Scene`` when the goal names places, objects or people (its ``scene_json`` text then
+    the scene's notes), else the ``scene_json`` object (or None)."""
+    names = {kind: list(getattr(goal, f"scene_{kind}")) for kind in ("places", "objects", "people")}
+    if not any(names.values()):
+        return _json_object(goal.scene_json, "scene_json", max_chars)
+    if len(goal.scene_json) > max_chars:
+        raise ValueError(f"scene_json: {len(goal.scene_json)} characters, over {max_chars}")
+    return Scene(**names, notes=goal.scene_json.strip())
 
 
 def _json_object(text: str, field: str, max_chars: int) -> dict[str, Any] | None:

@@ -2,12 +2,14 @@
 
 Built in: ``fleet`` (every skill of the bundled fleet traces), ``amr`` and ``manipulator``, read
 as data from ``shared/engine/grammar/response_format`` (plain dicts; that module imports no
-torch). A JSON file adds or replaces sets::
+torch), and ``warehouse``: a mobile robot's skills grounded in the goal's scene (its
+``scene_places`` and ``scene_objects``). A JSON file adds or replaces sets::
 
-    {"picker": [{"name": "pick", "description": "grasp an object", "args": {"object": "string"}}]}
+    {"picker": [{"name": "pick", "description": "grasp an object", "args": {"object": "object"}}]}
 
 with each entry in the daemon's skill form (``args`` maps a name to "string" | "number" |
-"integer" | "boolean" or to a list of allowed strings).
+"integer" | "boolean" or to a list of allowed strings) or a scene kind: "place", "object",
+"person" (the goal's scene names of that kind, ``robot_sdk.scene``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ from typing import Any
 from robot_sdk.skills import Skill
 from shared.engine.grammar.response_format import AMR_SKILLS, FLEET_SKILLS, MANIPULATOR_SKILLS
 
+WAREHOUSE_SKILLS: tuple[dict[str, Any], ...] = (
+    {"name": "goto", "description": "drive to a named waypoint", "args": {"waypoint": "place"}},
+    {"name": "lift", "description": "lift the shelf or tote under the robot", "args": {"load": "object"}},
+    {"name": "lower", "description": "lower the carried shelf or tote", "args": {"load": "object"}},
+    {"name": "report", "description": "send a status message to the fleet manager", "args": {"message": "string"}},
+)
 BUILTIN: dict[str, tuple[dict[str, Any], ...]] = {
-    "fleet": FLEET_SKILLS, "amr": AMR_SKILLS, "manipulator": MANIPULATOR_SKILLS,
+    "fleet": FLEET_SKILLS, "amr": AMR_SKILLS, "manipulator": MANIPULATOR_SKILLS, "warehouse": WAREHOUSE_SKILLS,
 }
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from shared.engine.grammar.response_format import FLEET_SKILLS, GrammarSpec, grammar_spec, plan_schema
+from shared.engine.grammar.response_format import (FLEET_SKILLS, FREE_TEXT_PATTERN, GrammarSpec, grammar_spec,
+                                                   plan_schema)
 
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}, "a": {"type": "string"}}}
 GOTO = {"name": "goto", "description": "drive", "args": {"waypoint": "string", "speed": "number"}}
@@ -51,7 +52,7 @@ def test_plan_schema_shape():
     assert goto["properties"]["skill"] == {"const": "goto"} and goto["description"] == "drive"
     assert goto["required"] == ["skill", "args"] and goto["additionalProperties"] is False
     assert goto["properties"]["args"] == {
-        "type": "object", "properties": {"waypoint": {"type": "string", "maxLength": 32},
+        "type": "object", "properties": {"waypoint": {"type": "string", "pattern": FREE_TEXT_PATTERN},
                                          "speed": {"type": "number", "minimum": -10000, "maximum": 10000}},
         "required": ["waypoint", "speed"], "additionalProperties": False}
     assert lift["properties"]["args"]["properties"] == {

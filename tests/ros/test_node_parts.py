@@ -15,6 +15,7 @@ import pytest
 from robot_sdk.ros.env import DiscoveryNotLocal, ensure_local_discovery
 from robot_sdk.ros.plan_request import PlanDefaults, plan_args
 from robot_sdk.ros.skill_sets import load_skill_sets
+from robot_sdk.scene import Scene
 from robot_sdk.ros.status import EndpointStatus, Level
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def goal(**fields) -> SimpleNamespace:
     base = dict(task="Bring crate 17 to the packing station.", scene_json="", skills="", schema_json="",
-                priority="", deadline_ms=0, escalation="", max_tokens=0)
+                priority="", deadline_ms=0, escalation="", max_tokens=0, scene_places=[], scene_objects=[],
+                scene_people=[])
     return SimpleNamespace(**{**base, **fields})
 
 
@@ -76,6 +78,20 @@ def test_goal_fields_override_the_defaults():
         ("manipulator", "safety", 2000, "local", 64)
     assert args.scene == {"at": "table"}
     assert args.client_kwargs()["skills"] == SETS["manipulator"]
+
+
+def test_scene_names_make_a_scene_whose_notes_are_the_scene_json_text():
+    args = plan_args(goal(skills="warehouse", scene_places=["waypoint 17", "packing station"],
+                          scene_objects=["crate 17"], scene_json="Aisle 4 is blocked."), PlanDefaults(), SETS)
+    assert args.scene == Scene(places=("waypoint 17", "packing station"), objects=("crate 17",),
+                               notes="Aisle 4 is blocked.")
+    goto = next(s for s in args.skills if s.name == "goto").grounded(args.scene)
+    assert goto.to_wire()["args"] == {"waypoint": ["waypoint 17", "packing station"]}
+
+
+def test_bad_scene_names_are_a_clear_error():
+    with pytest.raises(ValueError, match="scene.places: duplicate names"):
+        plan_args(goal(scene_places=["w1", "w1"]), PlanDefaults(), SETS)
 
 
 def test_a_schema_replaces_the_skills():

@@ -249,6 +249,20 @@ def test_service_returns_a_plan_over_the_named_skill_set(ros):
     ros.spin_until(lambda: any(p.request_id == result.request_id for p in ros.plans))
 
 
+def test_service_grounds_the_warehouse_skills_in_the_scene_names(ros):
+    """The independent client's complaint: steps naming places that do not exist. With the
+    scene's names in the request, every place and object of the plan is one of them."""
+    places, objects = ["waypoint 17", "packing station", "charging dock 2"], ["tote 12"]
+    request = GetPlan.Request(task="Bring tote 12 from waypoint 17 to the packing station.", skills="warehouse",
+                              scene_places=places, scene_objects=objects, scene_json="Tote 12 is on waypoint 17.")
+    result = ros.call(ros.get_plan, request, PLAN_TIMEOUT_S).result
+    assert result.ok, result.message
+    steps = plan_of(result)["steps"]
+    assert steps
+    for step in steps:
+        assert step["args"].get("waypoint", places[0]) in places and step["args"].get("load", objects[0]) in objects
+
+
 def test_service_answers_a_raw_json_schema(ros):
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
               "additionalProperties": False}

@@ -14,6 +14,7 @@ import pytest
 
 from robot_sdk import (AsyncPlanClient, Cancelled, DeadlineExceeded, InvalidPlan, PlanClient, PlanDone, PlanStepEvent,
                        PlanText, skill)
+from robot_sdk.plan_budget import max_plan_tokens
 from robot_sdk.skills import as_skills
 from shared.daemon_process import DaemonProcess
 from shared.engine.grammar.response_format import plan_schema
@@ -39,7 +40,9 @@ def place(object: str, location: str) -> None:
 SKILLS = [move_to, pick, place]
 TASK = "Bring the red cup to the kitchen counter."
 SCENE = {"robot": "arm-1", "red cup": "dining table", "kitchen counter": "3 m north"}
-SHORT = {"skills": SKILLS, "max_steps": 2, "max_tokens": 120}  # a complete plan in ~70 tokens
+# two steps, and as many tokens as two steps can take (a plan is about 70)
+SHORT = {"skills": SKILLS, "max_steps": 2, "max_tokens": max_plan_tokens(as_skills(SKILLS), 2)}
+LONG = {"skills": SKILLS, "max_tokens": max_plan_tokens(as_skills(SKILLS), 8)}  # eight steps may run
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +107,7 @@ def test_cancel_from_another_thread_stops_a_waiting_plan(client):
 
     def wait_for_plan() -> None:
         try:
-            client.plan(TASK, scene=SCENE, skills=SKILLS, max_tokens=384, request_id="cancel-plan")
+            client.plan(TASK, scene=SCENE, request_id="cancel-plan", **LONG)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             failure.append(e)
 
@@ -123,7 +126,7 @@ def test_deadlines_the_daemon_cannot_meet_or_that_pass_are_deadline_exceeded(cli
     assert info.value.code is ErrorCode.DEADLINE and info.value.message
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
-        client.plan(TASK, scene=SCENE, skills=SKILLS, max_tokens=384, deadline_ms=800)
+        client.plan(TASK, scene=SCENE, deadline_ms=800, **LONG)
     assert time.monotonic() - t0 < 3.0
 
 
@@ -147,9 +150,13 @@ def test_a_schema_ending_in_an_enum_gets_its_closing_brace(client):
     jsonschema.validate(plan.data, schema)
 
 
-def test_too_few_tokens_for_a_plan_is_an_invalid_plan_saying_so(client):
-    with pytest.raises(InvalidPlan, match="max_tokens=6") as info:
+def test_too_few_tokens_for_a_skills_plan_is_refused_and_a_cut_schema_answer_is_an_invalid_plan(client):
+    with pytest.raises(ValueError, match="max_tokens=6 cannot hold a complete plan"):
         client.plan(TASK, scene=SCENE, skills=SKILLS, max_tokens=6)
+    schema = {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string"}}},
+              "required": ["steps"], "additionalProperties": False}
+    with pytest.raises(InvalidPlan, match="max_tokens=6") as info:
+        client.plan(TASK, scene=SCENE, schema=schema, max_tokens=6)
     assert info.value.text
 
 

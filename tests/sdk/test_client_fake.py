@@ -39,11 +39,11 @@ def answer(text: str = PLAN_TEXT, **fields):
 def test_a_plan_request_carries_the_skills_format_and_every_option():
     with FakeDaemon(answer()) as daemon, PlanClient(daemon.endpoint, robot_id="amr-7") as client:
         plan = client.plan("Go charge.", scene={"battery": 12}, skills=SKILLS, priority="safety", deadline_ms=5000,
-                           escalation=Escalation.LOCAL, max_tokens=99, request_id="r-1", max_steps=4)
+                           escalation=Escalation.LOCAL, max_tokens=500, request_id="r-1", max_steps=4)
     (sent,) = daemon.generates()
     assert (sent.request_id, sent.robot_id, sent.priority, sent.deadline_ms, sent.escalation, sent.stream) == \
         ("r-1", "amr-7", Priority.SAFETY, 5000, Escalation.LOCAL, False)
-    assert sent.sampling.max_tokens == 99 and sent.sampling.temperature == 0.0
+    assert sent.sampling.max_tokens == 500 and sent.sampling.temperature == 0.0
     assert sent.response_format == {"type": "skills", "max_steps": 4, "skills": [
         {"name": "goto", "description": "drive to a named waypoint", "args": {"waypoint": "string", "speed": "number"}},
         {"name": "dock", "description": "dock to a charging station or a conveyor",

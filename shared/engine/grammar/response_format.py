@@ -13,8 +13,11 @@ Accepted shapes (OpenAI's plus two of ours):
 A skill's `args` maps an argument name to "string" | "number" | "integer" | "boolean" or to a
 list of strings (an enum). A skill plan is `{"steps": [{"skill": <name>, "args": {...}}, ...],
 "done": <bool>, "confidence": <0..1>}` (the form the fleet prompts ask for); every argument is
-required and no other key is allowed. Values are bounded so a plan always ends: strings at
-most `MAX_STRING_CHARS` characters, numbers within +-`MAX_NUMBER`.
+required and no other key is allowed. Values are bounded so a plan always ends: numbers within
++-`MAX_NUMBER`; a free-text string (a report's message) is `FREE_TEXT_PATTERN`: a letter or
+digit, then at most `MAX_STRING_CHARS` - 1 letters, digits, spaces and plain punctuation (no
+control characters, quotes, backslashes, braces or brackets a runaway model loops on). An enum
+(a list of strings: a scene's place names, say) allows exactly its values.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex",
 DEFAULT_MAX_STEPS = 8  # the fleet prompts' "at most 8 steps"
 ARG_TYPES = ("string", "number", "integer", "boolean")
 MAX_STRING_CHARS = 32
+FREE_TEXT_PATTERN = f"^[A-Za-z0-9][A-Za-z0-9 .,;:!?'()/_-]{{0,{MAX_STRING_CHARS - 1}}}$"
 MAX_NUMBER = 10_000
 
 # The skills of the bundled fleet traces (../shared/workloads/fleet.py), by robot type.
@@ -184,7 +188,7 @@ def _step_schema(skill: Any, where: str) -> dict[str, Any]:
 
 def _arg_schema(kind: Any, where: str) -> dict[str, Any]:
     if kind == "string":
-        return {"type": "string", "maxLength": MAX_STRING_CHARS}
+        return {"type": "string", "pattern": FREE_TEXT_PATTERN}
     if kind in ("number", "integer"):
         return {"type": kind, "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER}
     if kind == "boolean":

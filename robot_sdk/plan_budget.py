@@ -1,0 +1,57 @@
+"""How many tokens a complete skills plan can take at most, so that a request's ``max_tokens``
+always holds the plan it asks for (a plan cut short is an ``InvalidPlan``).
+
+The daemon's grammar (``shared/engine/grammar/response_format``, compact JSON: ``", "`` and
+``": "`` separators) bounds every value: an enum by its longest value, free text by
+``MAX_STRING_CHARS``, a number within +-``MAX_NUMBER`` by its sign, five digits, a point and
+six decimals (the grammar engine's precision for a bounded number), ``confidence`` by eight
+characters. A token is at least one byte, so a plan's UTF-8 bytes bound its tokens, whatever
+the model does (a small model can spell a value one character per token). The end-of-text
+token counts one more.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from robot_sdk.skills import Arg, Skill
+from shared.engine.grammar.response_format import MAX_STRING_CHARS
+
+NUMBER_BYTES = len("-10000.000000")
+CONFIDENCE_BYTES = len("0.000000")
+
+
+def max_plan_tokens(skills: Sequence[Skill], max_steps: int) -> int:
+    """The most tokens a complete plan of at most ``max_steps`` steps over ``skills`` (grounded:
+    every argument's values known) can take, end-of-text token included."""
+    step = max(_max_step_bytes(s) for s in skills)
+    frame = len('{"steps": [], "done": false, "confidence": }'.encode()) + CONFIDENCE_BYTES
+    return frame + max_steps * step + (max_steps - 1) * len(", ") + 1
+
+
+def steps_that_fit(skills: Sequence[Skill], max_steps: int, max_tokens: int) -> int:
+    """The most steps (at most ``max_steps``) whose complete plan fits ``max_tokens``; ValueError
+    when not even one step does, naming the tokens one needs."""
+    for steps in range(max_steps, 0, -1):
+        if max_plan_tokens(skills, steps) <= max_tokens:
+            return steps
+    raise ValueError(f"max_tokens={max_tokens} cannot hold a complete plan: one step of these skills can take "
+                     f"{max_plan_tokens(skills, 1)} tokens; raise max_tokens to at least that")
+
+
+def _max_step_bytes(skill: Skill) -> int:
+    args = ", ".join(f"{json.dumps(a.name)}: " + "x" * _max_value_bytes(a) for a in skill.args)
+    return len(f'{{"skill": {json.dumps(skill.name)}, "args": {{{args}}}}}'.encode())
+
+
+def _max_value_bytes(arg: Arg) -> int:
+    if isinstance(arg.kind, tuple):
+        return max(len(json.dumps(v).encode()) for v in arg.kind)
+    if arg.kind == "string":
+        return MAX_STRING_CHARS + 2
+    if arg.kind == "boolean":
+        return len("false")
+    if arg.kind in ("number", "integer"):
+        return NUMBER_BYTES
+    raise ValueError(f"argument {arg.name!r}: ground it in a scene before bounding its plan")
