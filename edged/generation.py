@@ -113,7 +113,7 @@ class Batch1Generator:
         behind tokens by a few characters; the stop token's text is never emitted).
         """
         if job.spec is not None and job.grammar is None:
-            job.grammar = GrammarState(self.compiler.compile(job.spec))
+            job.grammar = GrammarState(self.compiler.compile(job.spec), self.compiler.repeat_guard(job.spec))
         context = job.prompt_ids + job.generated
         first_run = job.prefilled_tokens == 0 and not job.generated
         reused = self._prepare(context, job if first_run else None)

@@ -77,6 +77,7 @@ class Skill:
     description: str
     args: tuple[Arg, ...] = ()
     target: Callable[..., Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    repeatable: bool = False  # the same step (skill and arguments) may follow itself (``wait``, ``scan``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", self.name):
@@ -88,9 +89,11 @@ class Skill:
             raise ValueError(f"skill {self.name!r}: duplicate argument names {names}")
 
     @classmethod
-    def of(cls, name: str, description: str, args: Mapping[str, ArgKind | Sequence[str]] | None = None) -> Skill:
+    def of(cls, name: str, description: str, args: Mapping[str, ArgKind | Sequence[str]] | None = None,
+           repeatable: bool = False) -> Skill:
         """A skill from plain values: ``args`` maps names to a kind or a list of allowed strings."""
-        return cls(name, description, tuple(Arg(n, _plain_kind(name, n, k)) for n, k in (args or {}).items()))
+        return cls(name, description, tuple(Arg(n, _plain_kind(name, n, k)) for n, k in (args or {}).items()),
+                   repeatable=repeatable)
 
     @classmethod
     def from_callable(cls, func: Callable[..., Any], name: str | None = None,
@@ -149,8 +152,9 @@ class Skill:
         skill: ValueError for a scene-kind argument)."""
         if self.needs_scene:
             raise ValueError(f"skill {self.name!r} names scene things: ground it in the request's scene first")
-        return {"name": self.name, "description": self.description,
+        wire = {"name": self.name, "description": self.description,
                 "args": {a.name: list(a.kind) if isinstance(a.kind, tuple) else a.kind for a in self.args}}
+        return wire | {"repeatable": True} if self.repeatable else wire
 
     def describe(self) -> str:
         """The skill's line in the system prompt: ``name(arg: kind, ...): description``."""
@@ -166,8 +170,10 @@ class Skill:
 
 
 def skill(target: Callable[..., Any] | type | None = None, *, name: str | None = None,
-          description: str | None = None) -> Any:
-    """Declare a function or dataclass as a skill: ``@skill`` or ``@skill(name=..., description=...)``.
+          description: str | None = None, repeatable: bool = False) -> Any:
+    """Declare a function or dataclass as a skill: ``@skill`` or ``@skill(name=..., description=...,
+    repeatable=...)``. A plan never has the same step twice in a row unless its skill is
+    ``repeatable``.
 
     The decorated object is returned unchanged (a function stays a function, a class a class),
     with its ``Skill`` attached; pass the object itself in ``skills=[...]``. Declaration errors
@@ -175,7 +181,8 @@ def skill(target: Callable[..., Any] | type | None = None, *, name: str | None =
     """
 
     def attach(obj: Any) -> Any:
-        setattr(obj, _SKILL_ATTR, Skill.from_callable(obj, name, description))
+        declared = Skill.from_callable(obj, name, description)
+        setattr(obj, _SKILL_ATTR, dataclasses.replace(declared, repeatable=repeatable) if repeatable else declared)
         return obj
 
     return attach if target is None else attach(target)

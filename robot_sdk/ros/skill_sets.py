@@ -41,7 +41,7 @@ def skills_of(entries: Sequence[Mapping[str, Any]], set_id: str) -> tuple[Skill,
     for i, e in enumerate(entries):
         if not isinstance(e, Mapping) or not isinstance(e.get("name"), str):
             raise ValueError(f"skill set {set_id!r}: entry {i} is not a {{'name', 'description', 'args'}} object")
-        out.append(Skill.of(e["name"], e.get("description", ""), e.get("args") or {}))
+        out.append(Skill.of(e["name"], e.get("description", ""), e.get("args") or {}, e.get("repeatable") is True))
     return tuple(out)
 
 

@@ -252,6 +252,7 @@ class Engine:
         if spec is not None:  # NOTE: only once admissible: a refused request's would take the compile thread
             self.scheduler.check_admissible(req)
             req.grammar_pending = self.grammar_compiler.compile_async(spec)
+            req.repeat_guard = self.grammar_compiler.repeat_guard(spec)
         self.scheduler.add(req)
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, sampling.stop)

@@ -20,6 +20,7 @@ from shared.protocol.messages import Priority, Sampling
 
 if TYPE_CHECKING:
     from shared.engine.grammar.matcher import GrammarState
+    from shared.engine.grammar.repeat_guard import StepRepeatGuard
 
 
 class RequestStatus(enum.IntEnum):
@@ -77,6 +78,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     grammar_pending: Future | None = None  # a compiling grammar (an xgrammar CompiledGrammar)
+    repeat_guard: StepRepeatGuard | None = None  # a skills plan's: no step twice in a row
     grammar: GrammarState | None = None  # constrains every sampled token once compiled
     draft_token_ids: list[int] = field(default_factory=list)  # jump-forward: forced next tokens
     num_forced_tokens: int = 0  # output tokens that came from accepted drafts (no step of their own)

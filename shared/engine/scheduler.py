@@ -153,7 +153,7 @@ class Scheduler:
                 failed.append(FinishedRequest(req, FinishReason.ABORT))
                 continue
             del self.awaiting_grammar[req]
-            req.grammar = GrammarState(future.result())
+            req.grammar = GrammarState(future.result(), req.repeat_guard)
             req.status = RequestStatus.WAITING
             self.waiting[req] = None
             self.kv.prefetch(req)

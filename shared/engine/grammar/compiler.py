@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import tokenizers
 import xgrammar as xgr
 
+from shared.engine.grammar.repeat_guard import StepRepeatGuard, TokenBytes
 from shared.engine.grammar.response_format import GrammarSpec
 from shared.model.tokenizer import Tokenizer
 
@@ -65,6 +66,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, GrammarSpec], xgr.CompiledGrammar] = OrderedDict()
         self._inflight: dict[tuple[str, GrammarSpec], Future[xgr.CompiledGrammar]] = {}
         self._lock = threading.Lock()
+        self._token_bytes: TokenBytes | None = None  # the vocabulary as bytes, for repeat guards
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
     def validate(self, spec: GrammarSpec) -> None:
@@ -108,6 +110,15 @@ class GrammarCompiler:
     def precompile(self, specs: Iterable[GrammarSpec]) -> list[Future[xgr.CompiledGrammar]]:
         """Queue `specs` for compilation (e.g. the fleet's plan schemas at startup)."""
         return [self.compile_async(spec) for spec in specs]
+
+    def repeat_guard(self, spec: GrammarSpec) -> StepRepeatGuard | None:
+        """The no-repeated-step guard of a skills plan's spec (None for any other spec)."""
+        if spec.repeatable is None:
+            return None
+        with self._lock:
+            if self._token_bytes is None:  # built once (about 0.2 s), on first use
+                self._token_bytes = TokenBytes([bytes(t) for t in self.tokenizer_info.decoded_vocab])
+        return StepRepeatGuard(self._token_bytes, spec.repeatable)
 
     def cached(self) -> int:
         """Number of compiled grammars held."""

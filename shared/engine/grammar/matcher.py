@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from shared.engine.grammar.repeat_guard import StepRepeatGuard
+
 
 class GrammarState:
     """A request's grammar matcher; used by the engine thread only (not thread-safe).
@@ -17,8 +19,17 @@ class GrammarState:
     mask allows exactly when the text so far is complete.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, guard: StepRepeatGuard | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.guard = guard
+        self._text = bytearray()  # what was accepted, kept for the guard only
+        self._lengths: list[int] = []  # bytes per accepted token, for rollback
+
+    def restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        """Tighten the filled mask of ``bitmask[row]`` by the guard (no step repeated); a no-op
+        without one."""
+        if self.guard is not None and not self.finished:
+            self.guard.restrict(self.matcher, bytes(self._text), bitmask[row])
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the next-token mask into `bitmask[row]`; False when it allows every token.
@@ -30,7 +41,12 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (state unchanged) if the grammar forbids it or it has finished."""
-        return self.matcher.accept_token(token)
+        accepted = self.matcher.accept_token(token)
+        if accepted and self.guard is not None:
+            text = self.guard.tokens.vocab[token]
+            self._text += text
+            self._lengths.append(len(text))
+        return accepted
 
     @property
     def finished(self) -> bool:
@@ -40,6 +56,10 @@ class GrammarState:
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative tokens)."""
         self.matcher.rollback(num_tokens)
+        if self.guard is not None and num_tokens:
+            cut = sum(self._lengths[-num_tokens:])
+            del self._lengths[-num_tokens:]
+            del self._text[len(self._text) - cut:]
 
     def forced_text(self) -> str:
         """The longest text the grammar forces from here ("" if none), for jump-forward decoding.
@@ -95,6 +115,8 @@ class MaskBatch:
         start = time.perf_counter()
         host = self._host_rows(logits.shape[0], pin=logits.is_cuda)
         self._filler.batch_fill_next_token_bitmask([state.matcher for state in states], host, indices)
+        for state, row in zip(states, indices, strict=True):
+            state.restrict(host, row)
         filled = time.perf_counter()
         bitmask = host if not logits.is_cuda else self._on_device(host, logits.device)
         # NOTE: the CPU backend of xgrammar costs ~5 ns per masked logit; on CUDA it is Triton.

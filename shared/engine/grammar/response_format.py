@@ -8,12 +8,13 @@ Accepted shapes (OpenAI's plus two of ours):
     {"type": "json_schema", "schema": {...}}
     {"type": "regex", "regex": "..."}
     {"type": "ebnf", "ebnf": "..."}                               (root rule `root`)
-    {"type": "skills", "skills": [{"name", "description", "args"}, ...], "max_steps": 8}
+    {"type": "skills", "skills": [{"name", "description", "args", "repeatable"}, ...], "max_steps": 8}
 
 A skill's `args` maps an argument name to "string" | "number" | "integer" | "boolean" or to a
 list of strings (an enum). A skill plan is `{"steps": [{"skill": <name>, "args": {...}}, ...],
 "done": <bool>, "confidence": <0..1>}` (the form the fleet prompts ask for); every argument is
-required and no other key is allowed. Values are bounded so a plan always ends: numbers within
+required and no other key is allowed. No step may follow an identical one (same skill, same
+arguments) unless its skill says `"repeatable": true` (`shared.engine.grammar.repeat_guard`). Values are bounded so a plan always ends: numbers within
 +-`MAX_NUMBER`; a free-text string (a report's message) is `FREE_TEXT_PATTERN`: a letter or
 digit, then at most `MAX_STRING_CHARS` - 1 letters, digits, spaces and plain punctuation (no
 control characters, quotes, backslashes, braces or brackets a runaway model loops on). An enum
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shared.engine.grammar.limits import MAX_SKILLS, check_grammar_limits
@@ -88,6 +89,10 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str
+    # A skills plan: the skills that may repeat a step (shared.engine.grammar.repeat_guard); no
+    # other step follows an identical one. None: not a plan (no guard). Not part of the key: the
+    # compiled grammar is the same.
+    repeatable: frozenset[str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -124,7 +129,10 @@ def _spec_of(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
         return GrammarSpec(kind, _nonempty_str(response_format.get(kind), f"response_format.{kind}"))
     if kind == "skills":
         max_steps = response_format.get("max_steps", DEFAULT_MAX_STEPS)
-        return GrammarSpec("json_schema", _canonical_json(plan_schema(response_format.get("skills"), max_steps)))
+        skills = response_format.get("skills")
+        schema = plan_schema(skills, max_steps)  # checks the skills first
+        return GrammarSpec("json_schema", _canonical_json(schema),
+                           repeatable=frozenset(s["name"] for s in skills if s.get("repeatable") is True))
     raise ValueError(f"response_format.type: unknown type {kind!r} "
                      "(expected text, json_object, json_schema, regex, ebnf or skills)")
 
@@ -162,9 +170,11 @@ def plan_schema(skills: Sequence[Mapping[str, Any]], max_steps: int = DEFAULT_MA
 def _step_schema(skill: Any, where: str) -> dict[str, Any]:
     if not isinstance(skill, Mapping):
         raise ValueError(f"{where}: expected an object with name, description and args")
-    unknown = sorted(set(skill) - {"name", "description", "args"})
+    unknown = sorted(set(skill) - {"name", "description", "args", "repeatable"})
     if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown} (expected name, description, args)")
+        raise ValueError(f"{where}: unknown keys {unknown} (expected name, description, args, repeatable)")
+    if not isinstance(skill.get("repeatable", False), bool):
+        raise ValueError(f"{where}.repeatable: expected true or false")
     name = _nonempty_str(skill.get("name"), f"{where}.name")
     args = skill.get("args", {})
     if not isinstance(args, Mapping):
