@@ -70,6 +70,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plan_eval(args) -> int:
+    from edged.plan_eval import HEADER, run_plan_eval
+
+    if not args.json:
+        print(HEADER, flush=True)
+    report = run_plan_eval(_model_path(args.model), args.backend, args.quant, args.variants, args.tasks, args.limit,
+                           args.endpoint, args.threads, log=None if args.json else print)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_quality(args) -> int:
     from edged.quality import format_table, quality_report
 
@@ -104,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--cuda-graphs", type=comma_list(GRAPH_VARIANTS), default=("on",),
                    help="torch on cuda: decode graph variants, comma list (on,off); 'off' runs are named '-eager'")
     b.set_defaults(func=cmd_bench)
+    v = sub.add_parser("plan-eval", help="plan quality on the bundled robot tasks (valid, grounded, meets the task)")
+    v.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
+    v.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))
+    v.add_argument("--quant", type=comma_list(QUANTS), default=("int4",))
+    v.add_argument("--variants", type=comma_list(("grounded", "free")), default=("grounded", "free"),
+                   help="grounded: scene names as enums (robot_sdk's default); free: the same arguments as free text")
+    v.add_argument("--tasks", type=Path, default=None, help="a task file (default: edged/data/plan_tasks.json)")
+    v.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    v.add_argument("--endpoint", default=None, help="ask a running edged or cloudd through robot_sdk instead")
+    v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_plan_eval)
     q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")
     q.add_argument("--model", type=Path)
     q.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))

@@ -1,0 +1,226 @@
+"""``edged plan-eval``: plan quality the way a robot team judges it, on hand-written robot tasks
+(``edged/data/plan_tasks.json``: 60 tasks over four scenes, two skill sets).
+
+Each task names a scene, a skill set and what a correct plan must contain: step patterns in
+order (a pattern matches a step of that skill whose listed arguments have those values; other
+steps may come between). Per run, the share of plans that are
+
+- **valid**: parse and pass the SDK's checks against the declared skills (``PlanChecker``);
+- **grounded**: every place, object and person a step names is in the task's scene;
+- **requirements met**: valid, and the task's patterns appear in order;
+
+with the mean steps of valid plans and the latency of a complete plan (median, 90th
+percentile). Two variants per backend: ``grounded`` (scene-kind arguments are enums of the
+scene's names, as robot_sdk sends them) and ``free`` (the same arguments as free text: what the
+grammar allowed before scenes were grounded). Both prompts list the scene's names, so the
+difference is the grammar's. In-process on edged's batch-1 generator (per backend and
+quantization, any ``--model``), or through a running daemon (``--endpoint``: edged or cloudd,
+by robot_sdk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from edged.backends.factory import make_backend
+from edged.generation import Batch1Generator, LocalJob
+from robot_sdk.errors import InvalidPlan, PlanError
+from robot_sdk.plan_budget import max_plan_tokens
+from robot_sdk.prompt import plan_messages, response_format, system_prompt
+from robot_sdk.scene import Scene, SceneKind
+from robot_sdk.skills import Arg, Skill
+from robot_sdk.validate import CheckedPlan, PlanChecker
+from shared.engine.detokenizer import IncrementalDetokenizer
+from shared.engine.grammar.compiler import GrammarCompiler
+from shared.engine.grammar.response_format import grammar_spec
+from shared.engine.sampling_params import SamplingParams
+from shared.model.checkpoint import load_checkpoint
+
+PLAN_TASKS = Path(__file__).parent / "data" / "plan_tasks.json"
+VARIANTS = ("grounded", "free")
+MAX_STEPS = 4  # every bundled task needs at most four steps
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTask:
+    id: str
+    task: str
+    scene: Scene
+    skills: tuple[Skill, ...]  # as declared (scene kinds not yet grounded)
+    requires: tuple[Mapping[str, Any], ...]  # step patterns, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    valid: bool
+    grounded: bool
+    requirements_met: bool
+    steps: int
+    latency_s: float
+
+
+def load_tasks(path: Path = PLAN_TASKS) -> list[EvalTask]:
+    """The tasks of ``path``; ValueError naming a task whose scene, skills or patterns do not
+    exist (a pattern's skill, argument or scene name)."""
+    data = json.loads(Path(path).read_text())
+    scenes = {name: Scene.from_mapping(s) for name, s in data["scenes"].items()}
+    skill_sets = {name: tuple(Skill.of(e["name"], e["description"], e.get("args", {}), e.get("repeatable", False))
+                              for e in entries) for name, entries in data["skill_sets"].items()}
+    tasks = []
+    for t in data["tasks"]:
+        task = EvalTask(t["id"], t["task"], scenes[t["scene"]], skill_sets[t["skills"]], tuple(t["requires"]))
+        _check_patterns(task)
+        tasks.append(task)
+    return tasks
+
+
+def _check_patterns(task: EvalTask) -> None:
+    skills = {s.name: s for s in task.skills}
+    for pattern in task.requires:
+        skill = skills.get(pattern["skill"])
+        if skill is None:
+            raise ValueError(f"task {task.id}: unknown skill {pattern['skill']!r}")
+        kinds = {a.name: a.kind for a in skill.args}
+        for name, value in pattern.get("args", {}).items():
+            kind = kinds.get(name, ...)
+            known = task.scene.names(kind) if isinstance(kind, SceneKind) else kind if isinstance(kind, tuple) else None
+            if kind is ... or (known is not None and value not in known):
+                raise ValueError(f"task {task.id}: {pattern['skill']}.{name} = {value!r} is not in its scene or skill")
+
+
+def judge(task: EvalTask, text: str, latency_s: float) -> Outcome:
+    """One answer against its task (see the module docstring)."""
+    try:
+        plan = PlanChecker(task.skills, MAX_STEPS).parse(text)
+    except InvalidPlan:
+        return Outcome(False, False, False, 0, latency_s)
+    return Outcome(True, _grounded(task, plan), _meets(task.requires, plan), len(plan.steps), latency_s)
+
+
+def _grounded(task: EvalTask, plan: CheckedPlan) -> bool:
+    skills = {s.name: s for s in task.skills}
+    return all(step.args[a.name] in task.scene.names(a.kind)
+               for step in plan.steps for a in skills[step.skill].args if isinstance(a.kind, SceneKind))
+
+
+def _meets(patterns: Sequence[Mapping[str, Any]], plan: CheckedPlan) -> bool:
+    """Whether the patterns match steps of the plan in order (a subsequence)."""
+    steps = iter(plan.steps)
+    return all(any(step.skill == p["skill"] and all(step.args.get(k) == v for k, v in p.get("args", {}).items())
+                   for step in steps) for p in patterns)
+
+
+def free_text(skill: Skill) -> Skill:
+    """``skill`` with its scene-kind arguments as free text (no grounding)."""
+    return dataclasses.replace(skill, args=tuple(Arg(a.name, "string") if isinstance(a.kind, SceneKind) else a
+                                                 for a in skill.args))
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    n = len(outcomes)
+    valid = [o for o in outcomes if o.valid]
+    latencies = sorted(o.latency_s for o in outcomes)
+    return {
+        "tasks": n,
+        "valid_rate": len(valid) / n,
+        "grounded_rate": sum(o.grounded for o in outcomes) / n,
+        "requirements_met_rate": sum(o.requirements_met for o in outcomes) / n,
+        "mean_steps": statistics.fmean(o.steps for o in valid) if valid else 0.0,
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p90_s": latencies[min(n - 1, int(0.9 * n))],
+    }
+
+
+# An answerer: (task, variant) -> (the answer's text, seconds to the complete plan).
+Answer = Callable[[EvalTask, str], tuple[str, float]]
+
+
+def grammar_skills(task: EvalTask, variant: str) -> tuple[Skill, ...]:
+    """The skills the grammar gets: grounded in the task's scene, or with free-text names."""
+    return tuple(s.grounded(task.scene) if variant == "grounded" else free_text(s) for s in task.skills)
+
+
+def run_variants(tasks: Sequence[EvalTask], answer: Answer, variants: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Every task through ``answer`` once per variant; the summary per variant."""
+    return {variant: summarize([judge(task, *answer(task, variant)) for task in tasks]) for variant in variants}
+
+
+def local_answerer(generator: Batch1Generator) -> Answer:
+    """Answers on edged's batch-1 generator, greedy, with as many tokens as the plan can take.
+    Both variants get the same prompt (the skills as declared): only the grammar differs."""
+    tok = generator.tokenizer
+
+    def answer(task: EvalTask, variant: str) -> tuple[str, float]:
+        skills = grammar_skills(task, variant)
+        messages = list(plan_messages(task.task, task.scene, system_prompt(task.skills, None, MAX_STEPS)))
+        job = LocalJob(task.id, tok.encode_chat(messages), SamplingParams(max_tokens=max_plan_tokens(skills, MAX_STEPS)),
+                       IncrementalDetokenizer(tok), spec=grammar_spec(response_format(skills, None, MAX_STEPS)))
+        started = time.perf_counter()
+        generator.run(job, lambda tokens, text: None)
+        return job.text, time.perf_counter() - started
+
+    return answer
+
+
+def endpoint_answerer(endpoint: str) -> Answer:
+    """Answers from a running daemon (edged or cloudd) through robot_sdk, as a robot sends them:
+    grounded, the declared skills with the scene; free, the skills with free-text names. An
+    answer the SDK refuses counts as invalid."""
+    from robot_sdk.client import PlanClient
+
+    client = PlanClient(endpoint, robot_id="plan-eval", timeout_s=120)
+
+    def answer(task: EvalTask, variant: str) -> tuple[str, float]:
+        skills = task.skills if variant == "grounded" else tuple(free_text(s) for s in task.skills)
+        started = time.perf_counter()
+        try:
+            text = client.plan(task.task, scene=task.scene, skills=list(skills), max_steps=MAX_STEPS,
+                               max_tokens=max_plan_tokens(grammar_skills(task, variant), MAX_STEPS)).text
+        except PlanError:
+            text = ""
+        return text, time.perf_counter() - started
+
+    return answer
+
+
+def run_plan_eval(model: Path, backends: Sequence[str], quants: Sequence[str], variants: Sequence[str] = VARIANTS,
+                  tasks_path: Path | None = None, limit: int | None = None, endpoint: str | None = None,
+                  threads: int = 2, log: Callable[[str], None] | None = print) -> dict:
+    """The report: ``{"tasks": n, "runs": {"<backend>-<quant>[-free]": summary, ...}}``."""
+    tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
+    runs: dict[str, dict] = {}
+    for name, answer in _answerers(model, backends, quants, endpoint, threads):
+        for variant, summary in run_variants(tasks, answer, variants).items():
+            run = name if variant == "grounded" else f"{name}-{variant}"
+            runs[run] = summary
+            if log:
+                log(format_row(run, summary))
+    return {"tasks": len(tasks), "runs": runs}
+
+
+def _answerers(model: Path, backends: Sequence[str], quants: Sequence[str], endpoint: str | None,
+               threads: int) -> Iterator[tuple[str, Answer]]:
+    if endpoint is not None:
+        yield endpoint, endpoint_answerer(endpoint)
+        return
+    checkpoint = load_checkpoint(model)
+    compiler = GrammarCompiler(checkpoint.tokenizer)
+    for kind in backends:
+        for quant in quants:
+            backend = make_backend(kind, quant, checkpoint, model, 2048, threads)
+            yield f"{kind}-{quant}", local_answerer(Batch1Generator(backend, checkpoint.tokenizer, compiler))
+
+
+def format_row(name: str, r: Mapping[str, float]) -> str:
+    return (f"{name:<22} {r['tasks']:>5} {r['valid_rate']:>7.0%} {r['grounded_rate']:>9.0%} "
+            f"{r['requirements_met_rate']:>9.0%} {r['mean_steps']:>6.2f} {r['latency_p50_s']:>8.2f} "
+            f"{r['latency_p90_s']:>8.2f}")
+
+
+HEADER = f"{'run':<22} {'tasks':>5} {'valid':>7} {'grounded':>9} {'meets':>9} {'steps':>6} {'p50 s':>8} {'p90 s':>8}"
