@@ -54,7 +54,7 @@ def test_a_grounded_argument_takes_only_the_scenes_names(compiler):
 def test_free_text_is_bounded_printable_text(compiler):
     spec = spec_for(SCENE)
     assert accepts(compiler, spec, plan_text([{"skill": "report", "args": {"message": "Tote 12 delivered."}}]))
-    for bad in (")[1],", "", " leading space", "x" * 33, 'say "hi"', "a{b}"):
+    for bad in (")[1],", "", " leading space", "x" * 33, 'say "hi"', "a{b}", "2.2.2.2.2"):
         assert not accepts(compiler, spec, plan_text([{"skill": "report", "args": {"message": bad}}])), bad
 
 

@@ -14,10 +14,12 @@ A skill's `args` maps an argument name to "string" | "number" | "integer" | "boo
 list of strings (an enum). A skill plan is `{"steps": [{"skill": <name>, "args": {...}}, ...],
 "done": <bool>, "confidence": <0..1>}` (the form the fleet prompts ask for); every argument is
 required and no other key is allowed. No step may follow an identical one (same skill, same
-arguments) unless its skill says `"repeatable": true` (`shared.engine.grammar.repeat_guard`). Values are bounded so a plan always ends: numbers within
-+-`MAX_NUMBER`; a free-text string (a report's message) is `FREE_TEXT_PATTERN`: a letter or
-digit, then at most `MAX_STRING_CHARS` - 1 letters, digits, spaces and plain punctuation (no
-control characters, quotes, backslashes, braces or brackets a runaway model loops on). An enum
+arguments) unless its skill says `"repeatable": true` (`shared.engine.grammar.repeat_guard`).
+Values are bounded so a plan always ends: numbers within +-`MAX_NUMBER`; a free-text string (a
+report's message) is `FREE_TEXT_PATTERN`: a letter, then at most `MAX_STRING_CHARS` - 1
+letters, digits, spaces and plain punctuation (no control characters, quotes, backslashes,
+braces or brackets a runaway model loops on; starting with a letter took the default model's
+report messages from "20180111111221333.1.1.1" to "The aisle 4 is blocked."). An enum
 (a list of strings: a scene's place names, say) allows exactly its values.
 """
 
@@ -37,7 +39,7 @@ GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex",
 DEFAULT_MAX_STEPS = 8  # the fleet prompts' "at most 8 steps"
 ARG_TYPES = ("string", "number", "integer", "boolean")
 MAX_STRING_CHARS = 32
-FREE_TEXT_PATTERN = f"^[A-Za-z0-9][A-Za-z0-9 .,;:!?'()/_-]{{0,{MAX_STRING_CHARS - 1}}}$"
+FREE_TEXT_PATTERN = f"^[A-Za-z][A-Za-z0-9 .,;:!?'()/_-]{{0,{MAX_STRING_CHARS - 1}}}$"
 MAX_NUMBER = 10_000
 
 # The skills of the bundled fleet traces (../shared/workloads/fleet.py), by robot type.
