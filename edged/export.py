@@ -35,6 +35,8 @@ BUILDER_OPTIONS = {"prune_lm_head": "true"}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+# An int4 CPU export of a GGUF holds the GGUF's own blocks (edged.carry_blocks); bump when that changes.
+GGUF_BLOCKS_VERSION = 1
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
 
 
@@ -64,7 +66,8 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
     out = cache_dir_for(model_path, quant, target, cache_root)
     key = {"manifest_version": MANIFEST_VERSION, "model_sha256": model_hash(model_path),
            "builder": f"onnxruntime-genai {version}", "quant": quant, "target": target,
-           "builder_options": BUILDER_OPTIONS}
+           "builder_options": BUILDER_OPTIONS,
+           "gguf_blocks": GGUF_BLOCKS_VERSION if _carries_blocks(model_path, quant, target) else None}
     if read_manifest(out).get("key") == key:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -72,12 +75,23 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
     with tempfile.TemporaryDirectory(prefix=f".build-{quant}-{target}-", dir=out.parent) as tmp:
         build = Path(tmp) / "onnx"
         _build(model_path, quant, target, Path(tmp), build)
+        carried = 0
+        if key["gguf_blocks"] is not None:
+            from edged.carry_blocks import carry_gguf_blocks
+
+            carried = carry_gguf_blocks(build, model_path)
+            say(f"carried the GGUF's own blocks into {carried} MatMulNBits nodes")
         manifest = {"key": key, "source": str(model_path), "precision": _PRECISION[quant],
-                    "files": sorted(p.name for p in build.iterdir())}
+                    "gguf_block_nodes": carried, "files": sorted(p.name for p in build.iterdir())}
         (build / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _install(build, out, key)
     say(f"exported to {out}")
     return out
+
+
+def _carries_blocks(model_path: Path, quant: str, target: str) -> bool:
+    """Whether the export takes a GGUF's quantized blocks as they are (int4 on a CPU)."""
+    return model_path.suffix == ".gguf" and quant == "int4" and target == "cpu"
 
 
 def builder_version() -> str:

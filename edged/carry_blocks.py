@@ -1,0 +1,126 @@
+"""The robot runs the model's own weights: a GGUF's quantized blocks carried into the int4 ONNX
+graph as they are, in place of the builder's re-quantization of their dequantized values.
+
+The builder (``edged.export``) reads a float32 HF folder dequantized from the GGUF and rounds
+every weight to 4 bits again (symmetric, its own scales): a second rounding of weights that
+were 4-bit already. Here each of its MatMulNBits nodes gets the GGUF's blocks instead
+(``edged.gguf_blocks``: Q4_0, Q4_1, Q8_0 exactly; Q8_0 as an 8-bit node), with the rows of q/k
+in HF's order (``unpermute_rope``) and q, k, v stacked for the fused qkv projection. With tied
+embeddings the builder's token lookup (``GatherBlockQuantized``) reads the LM head's blocks
+too; it follows them (their bit width, their zero points). A node whose weights are in another
+format keeps the builder's. CPU exports only: a CUDA export's
+float16 scales would round Q4_1's zero points.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from edged.gguf_blocks import BLOCK, BlockWeight, block_weight
+from shared.model.gguf_loader import hf_tensor_name, read_config, read_gguf, unpermute_rope
+from shared.model.model_config import ModelConfig
+
+_LAYER_NODE = re.compile(r"/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMul_Q4")
+_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # fused nodes; others are one projection each
+_BLOCK_SECTION = {"attn": "self_attn", "mlp": "mlp"}
+
+
+def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path) -> int:
+    """Rewrite ``onnx_dir/model.onnx`` (and its external data) with the GGUF's blocks; returns
+    how many MatMulNBits nodes now hold them."""
+    metadata, tensors = read_gguf(gguf_path)
+    config = read_config(metadata, {t.name for t in tensors})
+    blocks = _gguf_blocks(tensors, config)
+    model = onnx.load(str(onnx_dir / "model.onnx"))  # with its external data
+    initializers = {i.name: i for i in model.graph.initializer}
+    carried = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        names = _sources(node.name, config)
+        if names is None or any(n not in blocks for n in names):
+            continue
+        weight = BlockWeight.stack([blocks[n] for n in names])
+        attrs = {a.name: a for a in node.attribute}
+        if weight.codes.shape != (attrs["N"].i, attrs["K"].i) or attrs["block_size"].i != BLOCK:
+            continue
+        _replace(initializers[node.input[1]], weight.packed())
+        scales = initializers[node.input[2]]
+        _replace(scales, weight.scales.astype(onnx.helper.tensor_dtype_to_np_dtype(scales.data_type)))
+        attrs["bits"].i = weight.bits
+        zero = None
+        if weight.zero_points is not None:
+            zero = numpy_helper.from_array(np.ascontiguousarray(weight.zero_points), f"{node.input[1]}_zero_points")
+            model.graph.initializer.append(zero)
+            _set_input(node, 3, zero.name)
+        _follow_lookups(model, node.input[1], weight, zero)
+        carried += 1
+    data = onnx_dir / "model.onnx.data"
+    data.unlink(missing_ok=True)  # the writer appends to an existing file
+    onnx.save_model(model, str(onnx_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    return carried
+
+
+def _gguf_blocks(tensors, config: ModelConfig) -> dict[str, BlockWeight]:
+    """HF name -> the blocks of every 2-D tensor in a carried format, q/k rows in HF's order."""
+    out = {}
+    for tensor in tensors:
+        weight = block_weight(tensor.kind, tensor.data) if tensor.data.ndim == 2 else None
+        if weight is None:
+            continue
+        name = hf_tensor_name(tensor.name)
+        rows = torch.arange(weight.codes.shape[0], dtype=torch.float32)[:, None]
+        order = unpermute_rope(rows, name, config)[:, 0].long().numpy()  # the row permutation, applied to indices
+        out[name] = weight.rows(order)
+    return out
+
+
+def _sources(node_name: str, config: ModelConfig) -> list[str] | None:
+    """The HF weights a builder node multiplies by (stacked along output rows), or None."""
+    if node_name == "/lm_head/MatMul_Q4":
+        return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    match = _LAYER_NODE.fullmatch(node_name)
+    if match is None:
+        return None
+    layer, section, projection = match.groups()
+    prefix = f"model.layers.{layer}.{_BLOCK_SECTION[section]}"
+    return [f"{prefix}.{p}.weight" for p in _PROJECTIONS.get(projection, (projection,))]
+
+
+def _follow_lookups(model: onnx.ModelProto, packed: str, weight: BlockWeight, zero: onnx.TensorProto | None) -> None:
+    """Point the token lookups that read ``packed`` (through a Reshape to [N, K * bits / 8]) at
+    the new blocks: the reshape's shape, the lookup's bits and zero points."""
+    n, k = weight.codes.shape
+    reshaped = {}
+    for node in model.graph.node:
+        if node.op_type == "Reshape" and node.input[0] == packed:
+            shape = numpy_helper.from_array(np.array([n, k * weight.bits // 8], np.int64), f"{packed}_lookup_shape")
+            model.graph.initializer.append(shape)
+            node.input[1] = shape.name
+            reshaped[node.output[0]] = node
+    stale = [v for v in model.graph.value_info if v.name in reshaped]  # the old shape, inferred by the builder
+    for info in stale:
+        model.graph.value_info.remove(info)
+    for node in model.graph.node:
+        if node.op_type == "GatherBlockQuantized" and (node.input[0] == packed or node.input[0] in reshaped):
+            next(a for a in node.attribute if a.name == "bits").i = weight.bits
+            if zero is not None:
+                _set_input(node, 3, zero.name)
+
+
+def _set_input(node: onnx.NodeProto, index: int, name: str) -> None:
+    """Input ``index`` of ``node`` set to ``name`` (empty optional inputs filled in before it)."""
+    while len(node.input) <= index:
+        node.input.append("")
+    node.input[index] = name
+
+
+def _replace(initializer: onnx.TensorProto, array: np.ndarray) -> None:
+    initializer.CopyFrom(numpy_helper.from_array(array, initializer.name))
