@@ -5,10 +5,13 @@ The builder (``edged.export``) reads a float32 HF folder dequantized from the GG
 every weight to 4 bits again (symmetric, its own scales): a second rounding of weights that
 were 4-bit already. Here each of its MatMulNBits nodes gets the GGUF's blocks instead
 (``edged.gguf_blocks``: Q4_0, Q4_1, Q8_0 exactly; Q8_0 as an 8-bit node), with the rows of q/k
-in HF's order (``unpermute_rope``) and q, k, v stacked for the fused qkv projection. With tied
+in HF's order (``unpermute_rope``) and q, k, v stacked for the fused qkv projection. Q4_1's
+per-block minimum becomes an offset term beside the node (the input's block sums times the
+offsets: ``edged.gguf_blocks``), so the kernel keeps its fast integer path. With tied
 embeddings the builder's token lookup (``GatherBlockQuantized``) reads the LM head's blocks
-too; it follows them (their bit width, their zero points). A node whose weights are in another
-format keeps the builder's. CPU exports only: a CUDA export's
+too; it follows them (their bit width, their zero points; Q4_1 embeddings, which a lookup
+cannot offset, keep the builder's). A node whose weights are in another format keeps the
+builder's. CPU exports only: a CUDA export's
 float16 scales would round Q4_1's zero points.
 """
 
@@ -39,33 +42,79 @@ def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path) -> int:
     blocks = _gguf_blocks(tensors, config)
     model = onnx.load(str(onnx_dir / "model.onnx"))  # with its external data
     initializers = {i.name: i for i in model.graph.initializer}
+    nodes: list[onnx.NodeProto] = []  # the graph's nodes in order, offset terms after their node
+    block_sums: dict[str, str] = {}  # input -> its per-block sums, shared by the nodes reading it
     carried = 0
-    for node in model.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
-        names = _sources(node.name, config)
-        if names is None or any(n not in blocks for n in names):
-            continue
-        weight = BlockWeight.stack([blocks[n] for n in names])
-        attrs = {a.name: a for a in node.attribute}
-        if weight.codes.shape != (attrs["N"].i, attrs["K"].i) or attrs["block_size"].i != BLOCK:
+    for node in list(model.graph.node):
+        nodes.append(node)
+        weight = _carried_weight(node, config, blocks)
+        if weight is None or (weight.offsets is not None and _lookups(model, node.input[1])):
             continue
         _replace(initializers[node.input[1]], weight.packed())
         scales = initializers[node.input[2]]
         _replace(scales, weight.scales.astype(onnx.helper.tensor_dtype_to_np_dtype(scales.data_type)))
-        attrs["bits"].i = weight.bits
+        next(a for a in node.attribute if a.name == "bits").i = weight.bits
         zero = None
         if weight.zero_points is not None:
             zero = numpy_helper.from_array(np.ascontiguousarray(weight.zero_points), f"{node.input[1]}_zero_points")
             model.graph.initializer.append(zero)
             _set_input(node, 3, zero.name)
+        else:
+            del node.input[3:]  # the default zero point, 8
+        if weight.offsets is not None:
+            nodes += _offset_term(model, node, weight.offsets, block_sums)
         _follow_lookups(model, node.input[1], weight, zero)
         carried += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     data = onnx_dir / "model.onnx.data"
     data.unlink(missing_ok=True)  # the writer appends to an existing file
     onnx.save_model(model, str(onnx_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data.name, size_threshold=1024)
     return carried
+
+
+def _carried_weight(node: onnx.NodeProto, config: ModelConfig, blocks: dict[str, BlockWeight]) -> BlockWeight | None:
+    """The GGUF blocks a MatMulNBits node should hold, or None (another op, another format, a
+    shape or block size that does not match)."""
+    if node.op_type != "MatMulNBits":
+        return None
+    names = _sources(node.name, config)
+    if names is None or any(n not in blocks for n in names):
+        return None
+    weight = BlockWeight.stack([blocks[n] for n in names])
+    attrs = {a.name: a.i for a in node.attribute}
+    return weight if weight.codes.shape == (attrs["N"], attrs["K"]) and attrs["block_size"] == BLOCK else None
+
+
+def _offset_term(model: onnx.ModelProto, node: onnx.NodeProto, offsets: np.ndarray,
+                 block_sums: dict[str, str]) -> list[onnx.NodeProto]:
+    """Nodes that add ``offsets`` (per output row and block) to ``node``'s product: the input's
+    sums over each block of ``BLOCK`` times the offsets, a [K / BLOCK, N] float matmul. The
+    node's output is renamed; the last new node writes the old name."""
+    x, y = node.input[0], node.output[0]
+    node.output[0] = f"{y}_blocks"
+    added = []
+    if x not in block_sums:
+        shape = numpy_helper.from_array(np.array([0, 0, -1, BLOCK], np.int64), f"{node.name}/block_shape")
+        axes = numpy_helper.from_array(np.array([-1], np.int64), f"{node.name}/block_axes")
+        model.graph.initializer.extend([shape, axes])
+        added += [onnx.helper.make_node("Reshape", [x, shape.name], [f"{node.name}/blocks"], name=f"{node.name}/Blocks"),
+                  onnx.helper.make_node("ReduceSum", [f"{node.name}/blocks", axes.name], [f"{node.name}/block_sums"],
+                                        name=f"{node.name}/BlockSums", keepdims=0)]
+        block_sums[x] = f"{node.name}/block_sums"
+    table = numpy_helper.from_array(np.ascontiguousarray(offsets.T.astype(np.float32)), f"{node.input[1]}_offsets")
+    model.graph.initializer.append(table)
+    added += [onnx.helper.make_node("MatMul", [block_sums[x], table.name], [f"{y}_offsets"], name=f"{node.name}/Offsets"),
+              onnx.helper.make_node("Add", [node.output[0], f"{y}_offsets"], [y], name=f"{node.name}/AddOffsets")]
+    return added
+
+
+def _lookups(model: onnx.ModelProto, packed: str) -> bool:
+    """Whether a token lookup reads these blocks (directly or through a Reshape)."""
+    reshaped = {n.output[0] for n in model.graph.node if n.op_type == "Reshape" and n.input[0] == packed}
+    return any(n.op_type == "GatherBlockQuantized" and (n.input[0] == packed or n.input[0] in reshaped)
+               for n in model.graph.node)
 
 
 def _gguf_blocks(tensors, config: ModelConfig) -> dict[str, BlockWeight]:

@@ -36,7 +36,7 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mis
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 # An int4 CPU export of a GGUF holds the GGUF's own blocks (edged.carry_blocks); bump when that changes.
-GGUF_BLOCKS_VERSION = 1
+GGUF_BLOCKS_VERSION = 2
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
 
 

@@ -150,7 +150,7 @@ def test_a_stream_answered_locally_arrives_in_chunks(client):
 def test_a_plan_streamed_on_the_robot_says_so_from_its_first_step(edge):
     with PlanClient(endpoint(edge, "tcp"), robot_id="amr-031", timeout_s=120) as robot:
         events = list(robot.stream("go to waypoint 17.", skills=[goto], escalation="local", max_steps=1,
-                                   max_tokens=64))
+                                   max_tokens=128))
     steps = [e for e in events if isinstance(e, PlanStepEvent)]
     assert steps and {e.source for e in events if isinstance(e, PlanText | PlanStepEvent)} == {"edge"}
     assert isinstance(events[-1], PlanDone) and events[-1].plan.source == "edge"
@@ -240,7 +240,7 @@ def test_the_cloud_killed_mid_request_falls_back_locally_and_comes_back(fleet, e
     assert "cloud" in result.detail
     assert time.monotonic() - start < 60  # inside the deadline
     with PlanClient(endpoint(edge, "tcp"), robot_id="amr-030", timeout_s=120) as robot:  # what robots see
-        down = robot.plan("go to waypoint 17.", skills=[goto], escalation="cloud", max_steps=1, max_tokens=64)
+        down = robot.plan("go to waypoint 17.", skills=[goto], escalation="cloud", max_steps=1, max_tokens=128)
     assert (down.source, down.degraded, down.escalation_reason) == ("edge", True, "requested")
     assert [step.skill for step in down.steps] == ["goto"]
     fleet.start_cloud()
