@@ -30,6 +30,7 @@ from typing import Any
 
 from edged.backends.factory import make_backend
 from edged.generation import Batch1Generator, LocalJob
+from robot_sdk.client import PlanClient
 from robot_sdk.errors import InvalidPlan, PlanError
 from robot_sdk.plan_budget import max_plan_tokens
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
@@ -168,13 +169,10 @@ def local_answerer(generator: Batch1Generator) -> Answer:
     return answer
 
 
-def endpoint_answerer(endpoint: str) -> Answer:
+def endpoint_answerer(client: PlanClient) -> Answer:
     """Answers from a running daemon (edged or cloudd) through robot_sdk, as a robot sends them:
     grounded, the declared skills with the scene; free, the skills with free-text names. An
     answer the SDK refuses counts as invalid."""
-    from robot_sdk.client import PlanClient
-
-    client = PlanClient(endpoint, robot_id="plan-eval", timeout_s=120)
 
     def answer(task: EvalTask, variant: str) -> tuple[str, float]:
         skills = task.skills if variant == "grounded" else tuple(free_text(s) for s in task.skills)
@@ -207,10 +205,11 @@ def run_plan_eval(model: Path, backends: Sequence[str], quants: Sequence[str], v
 def _answerers(model: Path, backends: Sequence[str], quants: Sequence[str], endpoint: str | None,
                threads: int) -> Iterator[tuple[str, Answer]]:
     if endpoint is not None:
-        yield endpoint, endpoint_answerer(endpoint)
+        with PlanClient(endpoint, robot_id="plan-eval", timeout_s=120) as client:
+            yield endpoint, endpoint_answerer(client)
         return
     checkpoint = load_checkpoint(model)
-    compiler = GrammarCompiler(checkpoint.tokenizer)
+    compiler = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)  # the logits' width
     for kind in backends:
         for quant in quants:
             backend = make_backend(kind, quant, checkpoint, model, 2048, threads)

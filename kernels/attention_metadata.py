@@ -181,7 +181,7 @@ def padded_rows(rows: list[Sequence[int]], pad: int, device: torch.device | str)
 
 
 def decode_problems(
-    tables: list[list[int]], context_lens: list[int], block_size: int, min_saved_tokens: int
+    tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int, min_saved_tokens: int
 ) -> tuple[list[DecodeProblem], int]:
     """Every decode row's context as problems: the shared segments it is in, then the blocks
     no segment covers (its own). Returns them and the number of partial slots per row."""
@@ -219,7 +219,7 @@ def _batch_problems(problems: list[DecodeProblem], min_fill: float = 0.6) -> lis
 
 
 def _shared_segments(
-    tables: list[list[int]], context_lens: list[int], block_size: int, min_saved_tokens: int
+    tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int, min_saved_tokens: int
 ) -> list[tuple[list[int], int, list[int]]]:
     """``(rows, first block index, block ids)`` of each trie segment worth reading once.
 

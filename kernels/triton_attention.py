@@ -54,8 +54,7 @@ class TritonAttentionMetadata:
         num_decodes = len(decode_block_tables)
         decode = None
         if num_decodes:
-            problems, parts = decode_problems([list(t) for t in decode_block_tables], list(decode_context_lens),
-                                               block_size, min_saved_tokens)
+            problems, parts = decode_problems(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
             decode = DecodePlan.from_problems(problems, num_decodes, parts, kv_heads, device, target_programs)
         return TritonAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),

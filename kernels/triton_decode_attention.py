@@ -23,6 +23,7 @@ every row has at least one key.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,8 +86,8 @@ def _decode_partials_kernel(
         run_max = new_max
 
     # An empty split (past a short context) leaves run_sum 0: output 0, log-sum-exp -inf (weight 0).
-    out = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
     found = run_sum > 0
+    out = acc / tl.where(found, run_sum, 1.0)[:, None]
     lse = tl.where(found, run_max + tl.log(tl.where(found, run_sum, 1.0)), float("-inf"))
     slot = row * num_slots + part * SPLITS + split
     tl.store(out_ptr + slot[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out, mask=live[:, None])
@@ -119,27 +120,39 @@ class DecodePlan:
         """Plain decode: row ``r`` reads ``block_tables[r]`` up to ``context_lens[r]`` keys. The
         tensors are used as given (not copied), so a captured CUDA graph can refill them."""
         num_rows, max_blocks = block_tables.shape
-        per_split = -(-max_blocks // max(1, splits))
         rows = torch.arange(num_rows, device=block_tables.device)[:, None]
         return DecodePlan(rows=rows, parts=torch.zeros_like(rows), blocks=block_tables, num_keys=context_lens,
-                          num_rows=num_rows, num_parts=1, splits=-(-max_blocks // per_split) if max_blocks else 1,
-                          blocks_per_split=max(per_split, 1))
+                          num_rows=num_rows, num_parts=1, **_ranges(max_blocks, splits))
 
     @staticmethod
     def from_problems(problems: Sequence[DecodeProblem], num_rows: int, num_parts: int, kv_heads: int,
-                      device: torch.device | str, target_programs: int = 256) -> "DecodePlan":
+                      device: torch.device | str, target_programs: int) -> "DecodePlan":
         """The cascade's problems (``kernels.attention_metadata.decode_problems``), split so the
-        launch has about ``target_programs`` programs (a GPU's worth of work)."""
+        launch has about ``target_programs`` programs (``launch_programs``)."""
         max_blocks = max((len(p.blocks) for p in problems), default=1)
-        splits = splits_for(len(problems), kv_heads, max_blocks, target_programs)
-        per_split = -(-max_blocks // splits)
         return DecodePlan(
             rows=padded_rows([p.rows for p in problems], -1, device),
             parts=padded_rows([p.parts for p in problems], 0, device),
             blocks=padded_rows([p.blocks for p in problems], 0, device),
             num_keys=torch.tensor([p.num_keys for p in problems], dtype=torch.int64, device=device),
-            num_rows=num_rows, num_parts=num_parts, splits=-(-max_blocks // per_split), blocks_per_split=per_split,
+            num_rows=num_rows, num_parts=num_parts,
+            **_ranges(max_blocks, splits_for(len(problems), kv_heads, max_blocks, target_programs)),
         )
+
+
+def _ranges(max_blocks: int, splits: int) -> dict[str, int]:
+    """``splits`` and ``blocks_per_split`` for cutting ``max_blocks`` into at most ``splits``
+    equal ranges (fewer when the last ones would be empty)."""
+    per_split = max(1, -(-max_blocks // max(1, splits)))
+    return {"splits": max(1, -(-max_blocks // per_split)), "blocks_per_split": per_split}
+
+
+def launch_programs(device: torch.device) -> int:
+    """How many programs a decode launch should have: two per streaming multiprocessor on a
+    GPU; one per core interpreted on a CPU (it runs them one after another there)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
 
 
 def splits_for(num_problems: int, kv_heads: int, max_blocks: int, target_programs: int) -> int:

@@ -34,27 +34,30 @@ def _rotary_kv_kernel(
     sin = tl.load(sin_ptr + token * stride_ct + j)[None, :].to(tl.float32)
     slot = tl.load(slots_ptr + token)
 
-    is_q = h < HEADS
-    q_rows = token * stride_qt + h * stride_qh
-    q1 = tl.load(q_ptr + q_rows[:, None] + j[None, :], mask=is_q[:, None], other=0.0)
-    q2 = tl.load(q_ptr + q_rows[:, None] + HALF + j[None, :], mask=is_q[:, None], other=0.0)
-    first, second = _rotated(q1, q2, cos, sin, INTERPRETED)
-    out_rows = token * stride_ot + h * stride_oh
-    tl.store(q_out_ptr + out_rows[:, None] + j[None, :], first, mask=is_q[:, None])
-    tl.store(q_out_ptr + out_rows[:, None] + HALF + j[None, :], second, mask=is_q[:, None])
-
+    _rotate_rows(q_ptr + token * stride_qt, stride_qh, q_out_ptr + token * stride_ot, stride_oh, h, h < HEADS, j,
+                 cos, sin, HALF, INTERPRETED)
     is_kv = h < KV_HEADS
-    k_rows = token * stride_kt + h * stride_kh
-    k1 = tl.load(k_ptr + k_rows[:, None] + j[None, :], mask=is_kv[:, None], other=0.0)
-    k2 = tl.load(k_ptr + k_rows[:, None] + HALF + j[None, :], mask=is_kv[:, None], other=0.0)
-    first, second = _rotated(k1, k2, cos, sin, INTERPRETED)
+    _rotate_rows(k_ptr + token * stride_kt, stride_kh, k_cache_ptr + slot * stride_slot, stride_ch, h, is_kv, j,
+                 cos, sin, HALF, INTERPRETED)
     cache_rows = slot * stride_slot + h * stride_ch
-    tl.store(k_cache_ptr + cache_rows[:, None] + j[None, :], first, mask=is_kv[:, None])
-    tl.store(k_cache_ptr + cache_rows[:, None] + HALF + j[None, :], second, mask=is_kv[:, None])
     v_rows = token * stride_vt + h * stride_vh
     for offset in tl.static_range(0, 2 * HALF, HALF):
         v = tl.load(v_ptr + v_rows[:, None] + offset + j[None, :], mask=is_kv[:, None], other=0.0)
         tl.store(v_cache_ptr + cache_rows[:, None] + offset + j[None, :], v, mask=is_kv[:, None])
+
+
+@triton.jit
+def _rotate_rows(src_ptr, src_stride, dst_ptr, dst_stride, h, live, j, cos, sin, HALF: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """One token's heads ``h`` where ``live``: read at ``src_ptr + head * src_stride``, rotated,
+    written at ``dst_ptr + head * dst_stride`` (``j``: the indices of half a head)."""
+    src = src_ptr + (h * src_stride)[:, None] + j[None, :]
+    x1 = tl.load(src, mask=live[:, None], other=0.0)
+    x2 = tl.load(src + HALF, mask=live[:, None], other=0.0)
+    first, second = _rotated(x1, x2, cos, sin, INTERPRETED)
+    dst = dst_ptr + (h * dst_stride)[:, None] + j[None, :]
+    tl.store(dst, first, mask=live[:, None])
+    tl.store(dst + HALF, second, mask=live[:, None])
 
 
 @triton.jit

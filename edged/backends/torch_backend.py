@@ -20,14 +20,14 @@ from edged.backends.base import KVSnapshot
 from edged.backends.quantize import quantize_linears
 from kernels.dense_attention import DenseAttentionStep
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
-from kernels.triton_decode_attention import DecodePlan, splits_for
+from kernels.triton_decode_attention import DecodePlan, launch_programs, splits_for
 from kernels.triton_layers import TRITON_LAYERS
+from shared.engine.decode_graphs import capture
 from shared.engine.kernel_choice import resolve_kernels
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import AttentionStep, KVCache, LlamaModel, build_model
 
 GPU_BLOCK = 16  # tokens per block of the dense buffer seen as a paged pool on a GPU
-GPU_DECODE_PROGRAMS = 64  # split-KV ranges x KV heads of the batch-1 decode launch
 
 
 class TorchBackend:
@@ -56,6 +56,7 @@ class TorchBackend:
                                       for k, v in self.kv] if self.triton else self.kv
         if self.triton:
             self.model.layer_functions = TRITON_LAYERS
+        self._programs = launch_programs(self.device)  # the Triton decode launch's target
         self._graph: _DecodeGraph | None = None
         if self.triton and self.device.type == "cuda" and cuda_graph:
             self._graph = _DecodeGraph(self.model, self._pools, self.device)
@@ -85,7 +86,7 @@ class TorchBackend:
         blocks = list(range(-(-(start + n) // GPU_BLOCK)))
         return TritonAttentionStep(TritonAttentionMetadata.build(
             [], [], [(blocks, start, n)], list(range(start, start + n)), GPU_BLOCK, self._pools[0][0].shape[2],
-            self.device, target_programs=GPU_DECODE_PROGRAMS))
+            self.device, target_programs=self._programs))
 
     def save_kv(self, length: int) -> KVSnapshot:
         def host(t: torch.Tensor) -> np.ndarray:
@@ -113,21 +114,9 @@ class _DecodeGraph:
         num_blocks, kv_heads = kv[0][0].shape[0], kv[0][0].shape[2]
         table = torch.arange(num_blocks, device=device)[None, :]
         plan = DecodePlan.per_row(table, self.context_len,
-                                  splits=splits_for(1, kv_heads, num_blocks, GPU_DECODE_PROGRAMS))
+                                  splits=splits_for(1, kv_heads, num_blocks, launch_programs(device)))
         step = TritonAttentionStep(TritonAttentionMetadata(self.position, 1, plan, None))
-
-        def run() -> torch.Tensor:
-            return model.logits(model(self.ids, self.position, kv, step))
-
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: allocator and kernel selection before capture
-                run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = run()
+        self.graph, self.logits = capture(lambda: model.logits(model(self.ids, self.position, kv, step)), device)
         for k, v in kv:  # the warm-up wrote garbage at position 0
             k.zero_()
             v.zero_()

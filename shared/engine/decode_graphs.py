@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -38,10 +38,24 @@ def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     return (*sizes, max_rows)
 
 
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # [bucket, hidden]: the graph's output, overwritten by each replay
+def capture(run: Callable[[], torch.Tensor], device: torch.device,
+            pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``run`` captured as a CUDA graph (and the tensor its replays overwrite): run twice first
+    on a side stream (Triton's compiles, the allocator), then captured, in ``pool`` if given."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
+
+
+# Rows of DecodeGraphs' static input buffer, filled by one host-to-device copy a step.
+IDS, POSITIONS, SLOTS, LENS = range(4)
 
 
 class DecodeGraphs:
@@ -51,36 +65,24 @@ class DecodeGraphs:
                  block_size: int, null_block: int, target_programs: int):
         device = model.embed_tokens.weight.device
         kv_heads = model.config.num_kv_heads
-        self.block_size = block_size
-        self.null_block = null_block
         self.max_rows = max_rows
-        self.ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_rows,), null_block * block_size, dtype=torch.int64, device=device)
+        self.null_slot = null_block * block_size
+        self.null_block = null_block
+        self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=device)  # IDS, POSITIONS, SLOTS, LENS
+        self.inputs[SLOTS] = self.null_slot  # until the first step: every row one key in the null block
+        self.inputs[LENS] = 1
         self.tables = torch.full((max_rows, max_blocks), null_block, dtype=torch.int64, device=device)
-        self.lens = torch.ones(max_rows, dtype=torch.int64, device=device)
         self.buckets = buckets_up_to(max_rows)
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        ids, positions, slots, lens = self.inputs
         for bucket in reversed(self.buckets):  # largest first: the pool fits the rest
-            plan = DecodePlan.per_row(self.tables[:bucket], self.lens[:bucket],
+            plan = DecodePlan.per_row(self.tables[:bucket], lens[:bucket],
                                       splits=splits_for(bucket, kv_heads, max_blocks, target_programs))
-            step = TritonAttentionStep(TritonAttentionMetadata(self.slots[:bucket], bucket, plan, None))
-
-            def forward(bucket: int = bucket, step: TritonAttentionStep = step) -> torch.Tensor:
-                return model(self.ids[:bucket], self.positions[:bucket], kv_caches, step)
-
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: Triton's compiles and the allocator, before capture
-                    forward()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = forward()
-            self._graphs[bucket] = _Captured(graph, hidden)
+            step = TritonAttentionStep(TritonAttentionMetadata(slots[:bucket], bucket, plan, None))
+            self._graphs[bucket] = capture(
+                lambda b=bucket, s=step: model(ids[:b], positions[:b], kv_caches, s), device, pool)
         for k_cache, v_cache in kv_caches:  # the warm-ups wrote into the null block
             k_cache[null_block].zero_()
             v_cache[null_block].zero_()
@@ -93,19 +95,17 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
             context_lens: list[int]) -> torch.Tensor:  # [num_rows, hidden]
-        """One decode step of ``len(input_ids)`` rows (``takes`` it) through its bucket's graph."""
+        """One decode step of ``len(input_ids)`` rows (``takes`` it) through its bucket's graph.
+        Padding rows write and read one slot of the null block."""
         n = len(input_ids)
         bucket = next(b for b in self.buckets if b >= n)
         pad = bucket - n
-        self.ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.int64), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64), non_blocking=True)
-        self.slots[:bucket].copy_(torch.tensor(slots + [self.null_block * self.block_size] * pad, dtype=torch.int64),
-                                  non_blocking=True)
-        self.lens[:bucket].copy_(torch.tensor(context_lens + [1] * pad, dtype=torch.int64), non_blocking=True)
+        rows = [input_ids + [0] * pad, positions + [0] * pad, slots + [self.null_slot] * pad, context_lens + [1] * pad]
+        self.inputs[:, :bucket].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         tables = padded_rows(block_tables + [[self.null_block]] * pad, self.null_block, "cpu")
         if tables.shape[1] > self.tables.shape[1]:
             raise ValueError(f"a block table of {tables.shape[1]} blocks exceeds the captured {self.tables.shape[1]}")
         self.tables[:bucket, : tables.shape[1]].copy_(tables, non_blocking=True)
-        captured = self._graphs[bucket]
-        captured.graph.replay()
-        return captured.hidden[:n]  # valid until the next replay
+        graph, hidden = self._graphs[bucket]
+        graph.replay()
+        return hidden[:n]  # valid until the next replay

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +11,7 @@ from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from kernels.greedy_head import greedy_head
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
+from kernels.triton_decode_attention import launch_programs
 from kernels.triton_layers import TRITON_LAYERS
 from kernels.triton_support import check_tiles
 from shared.engine.decode_graphs import DecodeGraphs
@@ -80,10 +80,11 @@ class ModelRunner:
         elif kernels != "torch":
             raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
         self._flops = _FlopCounter(model)
+        self._decode_programs = launch_programs(self.device)  # the Triton decode launch's target
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and kernels == "triton" and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.kv_caches, max_decode_rows, -(-max_model_len // block_size),
-                                       block_size, NULL_BLOCK, decode_programs(self.device))
+                                       block_size, NULL_BLOCK, self._decode_programs)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns logits [rows, vocab] in the model's dtype on the CPU:
@@ -122,15 +123,18 @@ class ModelRunner:
         with maybe_phase(profile, "metadata"):
             self._copy_slots(out.copies)
             inputs = self._prepare(out)
+            graphed = (self.graphs is not None and not inputs.prefills and not out.fences
+                       and self.graphs.takes(len(inputs.input_ids)))
+            meta = None if graphed else self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills,
+                                                       inputs.slots)
         attention_before = profile.seconds["attention"] if profile is not None else 0.0
         with maybe_phase(profile, "model"):
             rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
-            if self.graphs is not None and not inputs.prefills and not out.fences and self.graphs.takes(
-                    len(inputs.input_ids)):
+            if meta is None:
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.decode_tables,
                                          inputs.decode_lens)
             else:
-                hidden = self._eager_forward(inputs, out.fences)
+                hidden = self._eager_forward(inputs, meta, out.fences)
             hidden = hidden.index_select(0, rows)
         if profile is not None:  # attention ran inside the model's phase: count it once
             profile.seconds["model"] -= profile.seconds["attention"] - attention_before
@@ -138,8 +142,7 @@ class ModelRunner:
             profile.computed_tokens += len(inputs.input_ids)
         return hidden
 
-    def _eager_forward(self, inputs: StepInputs, fences: tuple) -> torch.Tensor:  # [T, hidden]
-        meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots)
+    def _eager_forward(self, inputs: StepInputs, meta, fences: tuple) -> torch.Tensor:  # [T, hidden]
         step = self._step(meta, fences)
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
@@ -199,7 +202,7 @@ class ModelRunner:
         if self.kernels == "triton":
             return TritonAttentionMetadata.build(decode_block_tables, decode_context_lens, prefills, slot_mapping,
                                                  self.block_size, self.model.config.num_kv_heads, self.device,
-                                                 decode_programs(self.device))
+                                                 self._decode_programs)
         return AttentionMetadata.build(
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
@@ -223,14 +226,6 @@ class ModelRunner:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[dst] = flat[src]
-
-
-def decode_programs(device: torch.device) -> int:
-    """How many programs a Triton decode launch should have: two per streaming multiprocessor
-    on a GPU; one per core interpreted on a CPU (it runs them one after another there)."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return os.cpu_count() or 1
 
 
 class _FlopCounter:

@@ -85,6 +85,7 @@ class StepRepeatGuard:
             matcher.rollback(1)
         return (written + forced).startswith(previous)
 
+
 def _allowed(mask: torch.Tensor, token: int) -> bool:
     return (int(mask[token >> 5]) >> (token & 31)) & 1 == 1
 
