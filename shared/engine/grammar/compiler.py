@@ -66,7 +66,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, GrammarSpec], xgr.CompiledGrammar] = OrderedDict()
         self._inflight: dict[tuple[str, GrammarSpec], Future[xgr.CompiledGrammar]] = {}
         self._lock = threading.Lock()
-        self._token_bytes: TokenBytes | None = None  # the vocabulary as bytes, for repeat guards
+        self._token_bytes: Future[TokenBytes] | None = None  # the vocabulary as bytes, for repeat guards
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
     def validate(self, spec: GrammarSpec) -> None:
@@ -89,6 +89,8 @@ class GrammarCompiler:
         the first request. The future raises ValueError if xgrammar rejects the spec; failures
         are not cached.
         """
+        if spec.repeatable is not None:  # its repeat guard's vocabulary goes first
+            self._vocabulary_bytes()
         key = (self.fingerprint, spec)
         with self._lock:
             compiled = self._cache.get(key)
@@ -112,13 +114,18 @@ class GrammarCompiler:
         return [self.compile_async(spec) for spec in specs]
 
     def repeat_guard(self, spec: GrammarSpec) -> StepRepeatGuard | None:
-        """The no-repeated-step guard of a skills plan's spec (None for any other spec)."""
-        if spec.repeatable is None:
-            return None
+        """The no-repeated-step guard of a skills plan's spec (None for any other spec); never
+        blocks (the vocabulary it reads is built on the compile thread)."""
+        return None if spec.repeatable is None else StepRepeatGuard(self._vocabulary_bytes(), spec.repeatable)
+
+    def _vocabulary_bytes(self) -> Future[TokenBytes]:
+        """The vocabulary indexed as bytes (0.6 s), queued once on the compile thread: ahead of
+        the first plan grammar, which therefore never compiles before it."""
         with self._lock:
-            if self._token_bytes is None:  # built once (about 0.2 s), on first use
-                self._token_bytes = TokenBytes([bytes(t) for t in self.tokenizer_info.decoded_vocab])
-        return StepRepeatGuard(self._token_bytes, spec.repeatable)
+            if self._token_bytes is None:
+                self._token_bytes = self._worker.submit(
+                    lambda: TokenBytes([bytes(t) for t in self.tokenizer_info.decoded_vocab]))
+            return self._token_bytes
 
     def cached(self) -> int:
         """Number of compiled grammars held."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 
 import torch
 import xgrammar as xgr
@@ -47,11 +48,17 @@ class TokenBytes:
 
 
 class StepRepeatGuard:
-    """The guard of one plan grammar: its vocabulary and the skills that may repeat."""
+    """The guard of one plan grammar: its vocabulary (built on the grammar compiler's thread
+    ahead of the grammar itself, so ready by the time the request's first mask is filled) and
+    the skills that may repeat."""
 
-    def __init__(self, tokens: TokenBytes, repeatable: frozenset[str]):
-        self.tokens = tokens
+    def __init__(self, tokens: Future[TokenBytes], repeatable: frozenset[str]):
+        self._tokens = tokens
         self.repeatable = repeatable
+
+    @property
+    def tokens(self) -> TokenBytes:
+        return self._tokens.result()
 
     def restrict(self, matcher: xgr.GrammarMatcher, text: bytes, mask: torch.Tensor) -> None:
         """Clear, in ``mask`` (one bitmask row, int32 words), the tokens that would write the
