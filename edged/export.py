@@ -37,6 +37,8 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 # An int4 CPU export of a GGUF holds the GGUF's own blocks (edged.carry_blocks); bump when that changes.
 GGUF_BLOCKS_VERSION = 2
+# The LM head keeps the last ``num_logits_to_keep`` tokens (edged.logit_rows); bump when that changes.
+LOGIT_ROWS_VERSION = 1
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
 
 
@@ -67,7 +69,8 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
     key = {"manifest_version": MANIFEST_VERSION, "model_sha256": model_hash(model_path),
            "builder": f"onnxruntime-genai {version}", "quant": quant, "target": target,
            "builder_options": BUILDER_OPTIONS,
-           "gguf_blocks": GGUF_BLOCKS_VERSION if _carries_blocks(model_path, quant, target) else None}
+           "gguf_blocks": GGUF_BLOCKS_VERSION if _carries_blocks(model_path, quant, target) else None,
+           "logit_rows": LOGIT_ROWS_VERSION}
     if read_manifest(out).get("key") == key:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +134,8 @@ def read_manifest(export_dir: Path) -> dict[str, Any]:
 
 
 def _build(model_path: Path, quant: str, target: str, tmp: Path, out: Path) -> None:
-    """Run the builder on a HF folder (written from the checkpoint unless the model already is one)."""
+    """Run the builder on a HF folder (written from the checkpoint unless the model already is one),
+    then make its logits rows selectable (``edged.logit_rows``)."""
     hf_dir = model_path if model_path.is_dir() else write_hf_folder(model_path, tmp / "hf")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
            "-p", _PRECISION[quant], "-e", target, "-c", str(tmp / "builder-cache"),
@@ -142,6 +146,12 @@ def _build(model_path: Path, quant: str, target: str, tmp: Path, out: Path) -> N
     if proc.returncode != 0 or not (out / "model.onnx").is_file():
         tail = "\n".join(proc.stdout.splitlines()[-25:])
         raise ExportError(f"onnxruntime-genai builder failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    from edged.logit_rows import keep_last_logits
+
+    try:
+        keep_last_logits(out)
+    except ValueError as exc:
+        raise ExportError(f"the builder's graph is not the shape edged expects: {exc}") from exc
 
 
 def write_hf_folder(model_path: Path, hf_dir: Path) -> Path:

@@ -6,6 +6,17 @@ conversation) or of a pinned system prompt's saved K/V, whichever is longer, and
 the rest. Each token is chosen by the engine's sampler under the request's grammar mask; the
 job records the model's own log-probability of it (before the mask) for the confidence rule.
 
+With speculation (``edged.speculation``, on by default) each forward after a sampled token
+also carries draft tokens: the text the grammar forces next (jump-forward), then what followed
+the context's last n-gram earlier in the context or in the robot's recent outputs. One forward
+returns a logits row per token; the next token is sampled from the first row exactly as plain
+decoding would (same mask, same sampler, one draw per token), and while it equals the next
+draft, the following row is already computed: the draft's K/V stays and no forward is needed.
+A mismatch drops the rest (their K/V is overwritten later). Output is plain decoding's: on the
+torch backend and fp32 ONNX graphs to float rounding; ONNX int4/int8 graphs quantize activations,
+which makes a one-token forward differ from a row of a multi-token one by up to ~1 logit, so
+there no token is ever sent alone after position 0 (``_forward``) and the rows agree bit for bit.
+
 A job can be interrupted between tokens (``should_yield``: a more urgent request is waiting)
 and resumed later: its prompt plus the tokens it has are prefilled again, mostly from the
 buffer or a pinned prompt, and it continues exactly where it stopped.
@@ -22,6 +33,7 @@ import torch
 
 from edged.backends.base import Batch1Backend
 from edged.pinned import PinnedKVStore, PinnedPrompt
+from edged.speculation import NgramDrafter, SpeculationConfig, recent_outputs, remember
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import GrammarState, MaskBatch
@@ -55,6 +67,8 @@ class LocalJob:
     pinned_prompt: str | None = None  # the pinned prompt the first run started from
     first_token_s: float | None = None  # clock time of the first token
     preemptions: int = 0
+    drafted_tokens: int = 0  # speculative draft tokens verified (all runs of this job)
+    accepted_drafts: int = 0  # of those, confirmed by sampling
     error: str | None = None  # the backend failed; nothing usable was produced
 
     @property
@@ -70,7 +84,8 @@ class Batch1Generator:
     """Runs ``LocalJob``s one at a time on ``backend``; not thread-safe (one worker thread)."""
 
     def __init__(self, backend: Batch1Backend, tokenizer: Tokenizer, compiler: GrammarCompiler,
-                 pinned_dir: Path | str | None = None, clock: Callable[[], float] = time.monotonic):
+                 pinned_dir: Path | str | None = None, clock: Callable[[], float] = time.monotonic,
+                 speculation: SpeculationConfig = SpeculationConfig()):
         self.backend = backend
         self.tokenizer = tokenizer
         self.compiler = compiler
@@ -81,6 +96,8 @@ class Batch1Generator:
         self.store = PinnedKVStore(pinned_dir) if pinned_dir is not None else None
         self.pinned: dict[str, PinnedPrompt] = {}
         self.held: list[int] = []  # tokens whose K/V the buffer holds at positions 0..len-1
+        self.speculation = speculation
+        self.history = recent_outputs(speculation)  # the robot's recent outputs, for drafts
 
     # --- pinned prompts ----------------------------------------------------------------------
 
@@ -117,8 +134,10 @@ class Batch1Generator:
         context = job.prompt_ids + job.generated
         first_run = job.prefilled_tokens == 0 and not job.generated
         reused = self._prepare(context, job if first_run else None)
-        logits = self._forward_from(context[reused:], reused)
+        rows = [self._forward_from(context[reused:], reused)]  # logits rows not yet sampled from
         job.prefilled_tokens += len(context) - reused
+        drafter = NgramDrafter(self.speculation, context, self.history) if self.speculation.enabled else None
+        drafts: list[int] = []  # verified by ``rows``: rows[i] follows drafts[i - 1]
         while True:
             if cancelled():
                 return self._end(job, FinishReason.ABORT, emit)
@@ -127,7 +146,7 @@ class Batch1Generator:
             if should_yield():
                 job.preemptions += 1
                 return False
-            token = self._choose(job, logits)
+            token = self._choose(job, rows.pop(0))
             reason = self._stop_reason(job, token)
             emit([token], job.detok.push([token] if reason is not FinishReason.STOP else []))
             if reason is None and job.detok.stopped:
@@ -136,8 +155,31 @@ class Batch1Generator:
                 reason = FinishReason.LENGTH  # the buffer is full
             if reason is not None:
                 return self._end(job, reason, emit)
-            logits = self.backend.forward([token], len(self.held))
+            if drafter is not None:
+                drafter.accept([token])
+            if drafts and token == drafts[0]:  # the buffer holds its K/V and rows[0] follows it
+                drafts.pop(0)
+                job.accepted_drafts += 1
+                self.held.append(token)
+                continue
+            drafts = self._draft(job, drafter)
+            rows = list(self._forward([token, *drafts], len(self.held), self.held[-1] if self.held else None, True))
             self.held.append(token)
+
+    def _draft(self, job: LocalJob, drafter: NgramDrafter | None) -> list[int]:
+        """Tokens to verify after the one just sampled: the text the grammar forces next
+        (jump-forward), then an n-gram lookup; [] without speculation or room."""
+        if drafter is None:
+            return []
+        room = min(self.speculation.max_draft, job.params.max_tokens - len(job.generated) - 1,
+                   self.backend.max_len - len(self.held) - 2)
+        if room <= 0:
+            return []
+        forced = job.grammar.forced_text() if job.grammar is not None and not job.grammar.finished else ""
+        drafts = self.tokenizer.encode(forced)[:room] if forced else []
+        drafts += drafter.draft(room - len(drafts), after=drafts) if len(drafts) < room else []
+        job.drafted_tokens += len(drafts)
+        return drafts
 
     def _prepare(self, context: list[int], job: LocalJob | None) -> int:
         """Load the best reusable prefix for ``context``; returns how many tokens it covers."""
@@ -155,12 +197,28 @@ class Batch1Generator:
         return reused
 
     def _forward_from(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Prefill ``tokens`` at ``start`` in chunks; the buffer then holds them."""
+        """Prefill ``tokens`` at ``start`` in chunks; the buffer then holds them. Returns the
+        last token's logits ``[vocab]``."""
         logits = None
         for i in range(0, len(tokens), PREFILL_CHUNK):
-            logits = self.backend.forward(tokens[i:i + PREFILL_CHUNK], start + i)
+            before = tokens[i - 1] if i else (self.held[start - 1] if start else None)
+            logits = self._forward(tokens[i:i + PREFILL_CHUNK], start + i, before, False)[-1]
         self.held = self.held[:start] + list(tokens)
         return logits
+
+    def _forward(self, tokens: list[int], start: int, before: int | None, every_row: bool) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of ``tokens`` placed at ``start`` (every row, or the last).
+
+        On a backend that is not ``row_exact`` a lone token goes with ``before`` (the token at
+        ``start - 1``, its K/V recomputed bit for bit): every token's logits then come from the
+        backend's multi-row path, whether drafts came with it or not, so that speculation never
+        changes a token.
+        """
+        if len(tokens) == 1 and before is not None and not self.backend.row_exact:
+            return self.backend.forward_rows([before, tokens[0]], start - 1)[1:]
+        if every_row and len(tokens) > 1:
+            return self.backend.forward_rows(tokens, start)
+        return self.backend.forward(tokens, start)[None]
 
     def _choose(self, job: LocalJob, logits: torch.Tensor) -> int:
         raw = torch.log_softmax(logits, dim=-1)  # the model's own belief, before the mask
@@ -187,5 +245,7 @@ class Batch1Generator:
             emit([], rest)
         job.text = job.detok.text
         self.sampler.forget(job.request_id)
+        if self.speculation.enabled:
+            self.history = remember(self.history, job.generated, self.speculation)
         return True
 

@@ -35,12 +35,21 @@ class Batch1Backend(Protocol):
     quant: str  # one of QUANTS
     max_len: int  # positions the KV buffer holds
     vocab_size: int
+    # Whether a one-token forward computes the logits a row of a multi-token forward does (to
+    # float rounding). False where activations are quantized per forward path (ONNX int4/int8):
+    # the generator then never sends one token alone after position 0.
+    row_exact: bool
 
     def forward(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         """Logits ``[vocab]`` float32 (CPU) of the last of ``token_ids`` placed at ``start``.
 
         Raises ValueError when ``start + len(token_ids) > max_len`` or ``token_ids`` is empty.
         """
+        ...
+
+    def forward_rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """As ``forward``, but the logits of every one of ``token_ids``: ``[len(token_ids), vocab]``
+        float32 (CPU); row i predicts the token after ``token_ids[i]`` (speculative verification)."""
         ...
 
     def save_kv(self, length: int) -> KVSnapshot:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from edged.backends.base import QUANTS, KVSnapshot
+from edged.logit_rows import KEEP_INPUT
 
 _ONNX_DTYPES = {"tensor(float)": (np.float32, torch.float32), "tensor(float16)": (np.float16, torch.float16)}
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -51,6 +52,10 @@ class OnnxBackend:
         self.vocab_size: int = genai["vocab_size"]
         self.quant: str = key.get("quant", "none")
         assert self.quant in QUANTS, self.quant
+        # NOTE: MatMulNBits quantizes activations to int8 (accuracy level 4), which turns the
+        # rounding differences between GQA's one-token and multi-token paths into up to ~1 logit;
+        # multi-token forwards agree with each other bit for bit, whatever the rows' positions.
+        self.row_exact = self.quant == "none"
         self.num_layers: int = decoder["num_hidden_layers"]
         self.kv_heads: int = decoder["num_key_value_heads"]
         self.head_dim: int = decoder["head_size"]
@@ -75,7 +80,9 @@ class OnnxBackend:
         self._np_dtype, self.dtype = _ONNX_DTYPES[inputs["past_key_values.0.key"].type]
         logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
         self._logits_np_dtype, logits_dtype = _ONNX_DTYPES[logits_out.type]
-        self._pruned = logits_out.shape[1] != "sequence_length"  # builder's prune_lm_head: last row only
+        # which rows of logits the graph returns: as many as asked (edged.logit_rows), the last, or all
+        self._rows = ("chosen" if KEEP_INPUT in inputs else
+                      "all" if logits_out.shape[1] == "sequence_length" else "last")
 
         shape = (1, self.kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -91,6 +98,15 @@ class OnnxBackend:
         Raises ValueError for empty ``token_ids``, ``start < 0``, ``start + len > max_len`` or an id
         outside the vocabulary.
         """
+        return self._run(token_ids, start, 1)[0]
+
+    def forward_rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Logits ``[len(token_ids), vocab]`` float32 (CPU), one row per token; as ``forward``
+        otherwise. Raises ValueError on a graph that returns the last token's logits only."""
+        return self._run(token_ids, start, len(token_ids))
+
+    def _run(self, token_ids: Sequence[int], start: int, rows: int) -> torch.Tensor:
+        """The logits of the last ``rows`` of ``token_ids`` ``[rows, vocab]`` float32 on the CPU."""
         n = len(token_ids)
         if n == 0:
             raise ValueError("token_ids: must not be empty")
@@ -99,19 +115,23 @@ class OnnxBackend:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, n)  # [1, n] int64
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token_ids: ids must be in 0..{self.vocab_size - 1}")
+        if self._rows == "last" and rows > 1:
+            raise ValueError(f"{self.model_dir}: this graph returns the last token's logits only (export it again)")
         # | positions 0 .. start-1: K/V already in the buffer | start .. start+n-1: written now |
         # NOTE: GQA reads the past length from the mask's length, so the mask covers all of it.
         mask = np.ones((1, start + n), dtype=np.int64)  # [1, total_len] int64
         binding = self._binding
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
-        rows = 1 if self._pruned else n
-        logits = self._logits_1 if rows == 1 else torch.empty(
-            (1, rows, self.vocab_size), dtype=self._logits_dtype, device=self.device)  # [1, rows, vocab]
+        if self._rows == "chosen":
+            binding.bind_cpu_input(KEEP_INPUT, np.array([rows], dtype=np.int64))
+        computed = n if self._rows == "all" else rows
+        logits = self._logits_1 if computed == 1 else torch.empty(
+            (1, computed, self.vocab_size), dtype=self._logits_dtype, device=self.device)  # [1, computed, vocab]
         binding.bind_output("logits", self._ort_device, 0, self._logits_np_dtype, list(logits.shape),
                             logits.data_ptr())
         self.session.run_with_iobinding(binding)
-        return logits[0, -1].float().cpu().clone()
+        return logits[0, computed - rows:].float().cpu().clone()
 
     def save_kv(self, length: int) -> KVSnapshot:
         """A float32 host copy of the K/V of positions ``0 .. length-1``."""

@@ -32,6 +32,7 @@ GPU_BLOCK = 16  # tokens per block of the dense buffer seen as a paged pool on a
 
 class TorchBackend:
     name = "torch"
+    row_exact = True  # float weights or weight-only quantization: rows differ by rounding only
 
     def __init__(self, checkpoint: Checkpoint, max_len: int, quant: str = "none", device: str = "cpu",
                  model_digest: str = "", cuda_graph: bool = True, kernels: str = "auto"):
@@ -66,17 +67,24 @@ class TorchBackend:
         return self._graph is not None
 
     def forward(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        if len(token_ids) == 1 and self._graph is not None and 0 <= start < self.max_len:
+            return self._graph.replay(token_ids[0], start)
+        return self._run(token_ids, start, 1)[0]
+
+    def forward_rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        return self._run(token_ids, start, len(token_ids))
+
+    def _run(self, token_ids: Sequence[int], start: int, rows: int) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (CPU) of the last ``rows`` of ``token_ids`` placed at ``start``."""
         n = len(token_ids)
         if n == 0:
             raise ValueError("forward needs at least one token")
         if start < 0 or start + n > self.max_len:
             raise ValueError(f"positions {start}..{start + n - 1} do not fit the KV buffer of {self.max_len}")
-        if n == 1 and self._graph is not None:
-            return self._graph.replay(token_ids[0], start)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
         hidden = self.model(ids, positions, self._pools, self._step(positions, start, n))
-        return self.model.logits(hidden[-1:])[0].cpu()
+        return self.model.logits(hidden[n - rows:]).cpu()
 
     def _step(self, positions: torch.Tensor, start: int, n: int) -> AttentionStep:
         """Tokens ``start .. start + n - 1`` over the buffer: one extend segment of the Triton

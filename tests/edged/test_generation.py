@@ -9,10 +9,12 @@ import torch
 
 from edged.backends.torch_backend import TorchBackend
 from edged.generation import Batch1Generator, LocalJob
+from edged.speculation import SpeculationConfig
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.compiler import GrammarCompiler
+from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
 from shared.engine.sampling_params import SamplingParams
 from shared.model.llama import build_model
 
@@ -127,3 +129,33 @@ def test_cuda_graph_replay_gives_the_eager_tokens(default_checkpoint, compiler, 
     tokens = [run(generator(b, default_checkpoint, compiler), job(tok, plan_prompt, max_tokens=48))
               for b in (graphed, eager)]
     assert tokens[0] == tokens[1]
+
+
+@pytest.fixture(scope="module")
+def onnx_int4(default_model_path):
+    pytest.importorskip("onnxruntime_genai", reason="needs the onnx extra: pip install 'fleetserve[onnx]'")
+    from edged.backends.onnx_backend import OnnxBackend
+    from edged.export import export_onnx
+
+    return OnnxBackend(export_onnx(default_model_path, "int4"), max_len=MAX_LEN, threads=1)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 11}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("constrained", [False, True], ids=["text", "plan-schema"])
+@pytest.mark.parametrize("kind", ["torch", "onnx-int4"])
+def test_speculation_changes_no_token(request, default_checkpoint, compiler, plan_prompt, sampling, constrained,
+                                      kind):
+    """Drafts (the grammar's forced text, n-grams of the prompt) are verified in one forward
+    and kept only where sampling confirms them: the same tokens as one token per forward."""
+    tok = default_checkpoint.tokenizer
+    backend = request.getfixturevalue("backend" if kind == "torch" else "onnx_int4")
+    spec = grammar_spec(fleet_plan_format()) if constrained else None
+    outputs = []
+    for speculation in (SpeculationConfig(enabled=False), SpeculationConfig()):
+        gen = Batch1Generator(backend, tok, compiler, speculation=speculation)
+        j = job(tok, plan_prompt, max_tokens=48, **sampling)
+        j.spec = spec
+        outputs.append((run(gen, j), j))
+    (plain, plain_job), (fast, fast_job) = outputs
+    assert fast == plain
+    assert plain_job.drafted_tokens == 0 and 0 < fast_job.accepted_drafts <= fast_job.drafted_tokens

@@ -101,3 +101,30 @@ def test_bad_input_raises_value_error(onnx_fp32):
 def test_identity_names_model_backend_quant_and_provider(onnx_fp32):
     identity = onnx_fp32.identity()
     assert identity.startswith("onnx:") and ":none:" in identity and "CPUExecutionProvider" in identity
+
+
+def test_forward_rows_give_every_token_s_logits(onnx_fp32, torch_fp32, prompts):
+    prompt = prompts[0]
+    onnx_fp32.forward(prompt[:-4], 0)
+    rows = onnx_fp32.forward_rows(prompt[-4:], len(prompt) - 4)  # [4, vocab]
+    assert rows.shape == (4, onnx_fp32.vocab_size) and rows.dtype == torch.float32
+    one_by_one = torch.stack([onnx_fp32.forward([t], len(prompt) - 4 + i) for i, t in enumerate(prompt[-4:])])
+    assert torch.allclose(rows, one_by_one, atol=1e-4, rtol=1e-4)
+    torch_fp32.forward(prompt[:-4], 0)
+    assert torch.allclose(rows, torch_fp32.forward_rows(prompt[-4:], len(prompt) - 4), atol=1e-3, rtol=1e-3)
+    assert onnx_fp32.row_exact
+
+
+def test_int4_rows_agree_bit_for_bit_whatever_their_position_in_a_forward(default_model_path, prompts):
+    """What the generator relies on when it never sends one token alone to an int4 graph."""
+    int4 = OnnxBackend(export_onnx(default_model_path, "int4"), max_len=MAX_LEN, threads=1)
+    assert not int4.row_exact
+    prompt = prompts[0]
+    base = len(prompt) - 8
+    int4.forward(prompt[:base], 0)
+    together = int4.forward_rows(prompt[base:], base)  # [8, vocab]
+    int4.forward(prompt[:base], 0)
+    apart = torch.cat([int4.forward_rows(prompt[base:base + 3], base),  # rows in other places, other forwards
+                       int4.forward_rows(prompt[base + 2:base + 4], base + 2)[1:],
+                       int4.forward_rows(prompt[base + 3:], base + 3)[1:]])
+    assert torch.equal(together, apart)
