@@ -1,4 +1,5 @@
-"""edged's TOML config: ``[backend]``, ``[serve]``, ``[escalation]`` and ``[[pinned]]`` prompts."""
+"""edged's TOML config: ``[backend]``, ``[serve]``, ``[escalation]``, ``[speculation]`` and
+``[[pinned]]`` prompts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from edged.backends.base import BACKENDS, QUANTS
 from edged.escalation import EscalationConfig
 from edged.server import EdgeServeConfig
+from edged.speculation import SpeculationConfig
 from shared.config import build_dataclass
 
 
@@ -63,6 +65,7 @@ class EdgeConfig:
     backend: BackendConfig = BackendConfig()
     serve: EdgeServeConfig = EdgeServeConfig()
     escalation: EscalationConfig = EscalationConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
     pinned: tuple[PinnedPromptConfig, ...] = ()
     base_dir: Path = Path(".")  # where relative paths in the file are resolved
 
@@ -74,7 +77,7 @@ class EdgeConfig:
         path = Path(path)
         with open(path, "rb") as f:
             doc = tomllib.load(f)
-        unknown = set(doc) - {"backend", "serve", "escalation", "pinned"}
+        unknown = set(doc) - {"backend", "serve", "escalation", "speculation", "pinned"}
         if unknown:
             raise ValueError(f"{path}: unknown tables {sorted(unknown)}")
         pinned = doc.get("pinned", [])
@@ -84,6 +87,7 @@ class EdgeConfig:
             backend=build_dataclass(BackendConfig, doc.get("backend", {}), "backend"),
             serve=build_dataclass(EdgeServeConfig, doc.get("serve", {}), "serve"),
             escalation=build_dataclass(EscalationConfig, doc.get("escalation", {}), "escalation"),
+            speculation=build_dataclass(SpeculationConfig, doc.get("speculation", {}), "speculation"),
             pinned=tuple(build_dataclass(PinnedPromptConfig, p, "pinned") for p in pinned),
             base_dir=path.parent,
         )

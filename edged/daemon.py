@@ -29,7 +29,8 @@ def build_server(config: EdgeConfig) -> EdgeServer:
     backend = make_backend(b.kind, b.quant, checkpoint, model_path, b.max_len, b.threads, b.device)
     compiler = GrammarCompiler(checkpoint.tokenizer, backend.vocab_size)
     compiler.precompile([grammar_spec(fleet_plan_format())])
-    generator = Batch1Generator(backend, checkpoint.tokenizer, compiler, pinned_dir=config.serve.pinned_dir)
+    generator = Batch1Generator(backend, checkpoint.tokenizer, compiler, pinned_dir=config.serve.pinned_dir,
+                                speculation=config.speculation)
     worker = LocalWorker(generator)
     for pin in config.pinned:
         ids = checkpoint.tokenizer.encode_chat(pin.messages(config.base_dir), add_generation_prompt=False)

@@ -98,6 +98,8 @@ class Batch1Generator:
         self.held: list[int] = []  # tokens whose K/V the buffer holds at positions 0..len-1
         self.speculation = speculation
         self.history = recent_outputs(speculation)  # the robot's recent outputs, for drafts
+        self.drafted_tokens = 0  # over finished jobs: drafts verified, and those sampling confirmed
+        self.accepted_drafts = 0
 
     # --- pinned prompts ----------------------------------------------------------------------
 
@@ -247,5 +249,7 @@ class Batch1Generator:
         self.sampler.forget(job.request_id)
         if self.speculation.enabled:
             self.history = remember(self.history, job.generated, self.speculation)
+            self.drafted_tokens += job.drafted_tokens
+            self.accepted_drafts += job.accepted_drafts
         return True
 

@@ -525,6 +525,9 @@ class EdgeServer:
                                                       "breaker": self.cloud.breaker.state.value},
             "pinned": [{"name": p.name, "tokens": len(p.token_ids), "from_disk": p.from_disk}
                        for p in g.pinned.values()],
+            "speculation": {"enabled": g.speculation.enabled, "drafted_tokens": g.drafted_tokens,
+                            "accepted_drafts": g.accepted_drafts,
+                            "acceptance_rate": round(g.accepted_drafts / max(g.drafted_tokens, 1), 3)},
             "decode_tok_s": round(self.worker.rate.decode_tok_s, 1),
             "prefill_tok_s": round(self.worker.rate.prefill_tok_s, 1),
         }
