@@ -61,11 +61,18 @@ def cmd_export(args) -> int:
 def cmd_bench(args) -> int:
     from edged.bench import BenchOptions, format_report, run_bench
 
+    from edged.llamacpp_peer import PeerMissing
+
     opts = BenchOptions(model=_model_path(args.model), backends=args.backend, quants=args.quant,
                         threads=args.threads, requests=args.requests, decode_tokens=args.decode_tokens,
-                        trace=args.trace, progress=not args.no_progress, device=args.device,
-                        cuda_graphs=tuple(v == "on" for v in args.cuda_graphs))
-    runs = run_bench(opts, log=None if args.json else print)
+                        plan_tokens=args.plan_tokens, trace=args.trace, progress=not args.no_progress,
+                        device=args.device, cuda_graphs=tuple(v == "on" for v in args.cuda_graphs),
+                        speculation=tuple(v == "on" for v in args.speculation), baseline=args.baseline)
+    try:
+        runs = run_bench(opts, log=None if args.json else print)
+    except (PeerMissing, ValueError) as exc:
+        print(f"edged bench: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(runs, indent=2) if args.json else format_report(runs))
     return 0
 
@@ -109,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--requests", type=int, default=5, help="plan requests per run (medians over them)")
     b.add_argument("--decode-tokens", type=int, default=64)
+    b.add_argument("--plan-tokens", type=int, default=256, help="max_tokens of the timed plan requests")
+    b.add_argument("--speculation", type=comma_list(GRAPH_VARIANTS), default=("on",),
+                   help="speculative decoding variants, comma list (on,off); 'off' runs are named '-plain'")
+    b.add_argument("--baseline", choices=["llamacpp"], default=None,
+                   help="also run llama.cpp (../shared/peers/llamacpp) on the same GGUF and requests")
     b.add_argument("--trace", type=Path, default=Path("../shared/workloads/fleet-256.jsonl"))
     b.add_argument("--json", action="store_true")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")

@@ -169,17 +169,22 @@ class Batch1Generator:
             self.held.append(token)
 
     def _draft(self, job: LocalJob, drafter: NgramDrafter | None) -> list[int]:
-        """Tokens to verify after the one just sampled: the text the grammar forces next
-        (jump-forward), then an n-gram lookup; [] without speculation or room."""
+        """Tokens to verify after the one just sampled: an n-gram lookup, or where the grammar
+        forces text next (jump-forward) and the lookup's text does not agree with it, that
+        text's tokens and a lookup after them; [] without speculation or room."""
         if drafter is None:
             return []
         room = min(self.speculation.max_draft, job.params.max_tokens - len(job.generated) - 1,
                    self.backend.max_len - len(self.held) - 2)
         if room <= 0:
             return []
+        drafts = drafter.draft(room)
         forced = job.grammar.forced_text() if job.grammar is not None and not job.grammar.finished else ""
-        drafts = self.tokenizer.encode(forced)[:room] if forced else []
-        drafts += drafter.draft(room - len(drafts), after=drafts) if len(drafts) < room else []
+        if forced and not _agree(self.tokenizer.decode(drafts), forced):
+            # NOTE: the model often spells forced text as it did earlier in the context (its own
+            # token boundaries), so the n-gram draft wins whenever its text agrees with it.
+            drafts = self.tokenizer.encode(forced)[:room]
+            drafts += drafter.draft(room - len(drafts), after=drafts) if len(drafts) < room else []
         job.drafted_tokens += len(drafts)
         return drafts
 
@@ -253,3 +258,7 @@ class Batch1Generator:
             self.accepted_drafts += job.accepted_drafts
         return True
 
+
+def _agree(drafted: str, forced: str) -> bool:
+    """Whether a draft's text is consistent with the text the grammar forces next."""
+    return bool(drafted) and (drafted.startswith(forced) or forced.startswith(drafted))
