@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")
     q.add_argument("--model", type=Path)
     q.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))
-    q.add_argument("--quant", type=comma_list(QUANTS), default=("none", "int8", "int4"))
+    q.add_argument("--quant", type=comma_list(QUANTS), default=("none", "int8", "int4", "int4-a8"))
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_quality)
     args = p.parse_args(argv)

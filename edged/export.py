@@ -26,10 +26,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "int4-a8")  # int4-a8: int4 weights, int8 activations (CPU only)
 TARGETS = ("cpu", "cuda")
 # quant -> the builder's --precision. NOTE: "none" stays fp32 on cuda too, so it matches torch fp32.
-_PRECISION = {"none": "fp32", "int8": "int8", "int4": "int4"}
+_PRECISION = {"none": "fp32", "int8": "int8", "int4": "int4", "int4-a8": "int4"}
 # NOTE: edged only needs the last token's logits; pruning the LM head to it cuts prefill ~15%.
 BUILDER_OPTIONS = {"prune_lm_head": "true"}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -37,8 +37,8 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 # An int4 CPU export of a GGUF holds the GGUF's own blocks (edged.carry_blocks); bump when that changes.
 GGUF_BLOCKS_VERSION = 2
-# The LM head keeps the last ``num_logits_to_keep`` tokens (edged.logit_rows); bump when that changes.
-LOGIT_ROWS_VERSION = 1
+# edged.graph_edits (logits rows per call, activation precision); bump when they change.
+GRAPH_EDITS_VERSION = 2
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
 
 
@@ -60,6 +60,8 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
         raise ValueError(f"quant={quant!r}: must be one of {QUANTS}")
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: must be one of {TARGETS}")
+    if quant == "int4-a8" and target != "cpu":
+        raise ValueError("quant int4-a8 (int8 activations) is ONNX Runtime's CPU kernel: use int4 on cuda")
     model_path = Path(model_path).expanduser().resolve()
     if not model_path.exists():
         raise FileNotFoundError(f"no model at {model_path}")
@@ -70,7 +72,7 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
            "builder": f"onnxruntime-genai {version}", "quant": quant, "target": target,
            "builder_options": BUILDER_OPTIONS,
            "gguf_blocks": GGUF_BLOCKS_VERSION if _carries_blocks(model_path, quant, target) else None,
-           "logit_rows": LOGIT_ROWS_VERSION}
+           "graph_edits": GRAPH_EDITS_VERSION}
     if read_manifest(out).get("key") == key:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +86,10 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
 
             carried = carry_gguf_blocks(build, model_path)
             say(f"carried the GGUF's own blocks into {carried} MatMulNBits nodes")
+        if quant.startswith("int4") and target == "cpu":
+            from edged.graph_edits import set_activation_precision
+
+            set_activation_precision(build, int8_activations=quant == "int4-a8")
         manifest = {"key": key, "source": str(model_path), "precision": _PRECISION[quant],
                     "gguf_block_nodes": carried, "files": sorted(p.name for p in build.iterdir())}
         (build / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -94,7 +100,7 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
 
 def _carries_blocks(model_path: Path, quant: str, target: str) -> bool:
     """Whether the export takes a GGUF's quantized blocks as they are (int4 on a CPU)."""
-    return model_path.suffix == ".gguf" and quant == "int4" and target == "cpu"
+    return model_path.suffix == ".gguf" and quant.startswith("int4") and target == "cpu"
 
 
 def builder_version() -> str:
@@ -135,7 +141,7 @@ def read_manifest(export_dir: Path) -> dict[str, Any]:
 
 def _build(model_path: Path, quant: str, target: str, tmp: Path, out: Path) -> None:
     """Run the builder on a HF folder (written from the checkpoint unless the model already is one),
-    then make its logits rows selectable (``edged.logit_rows``)."""
+    then make its logits rows selectable (``edged.graph_edits``)."""
     hf_dir = model_path if model_path.is_dir() else write_hf_folder(model_path, tmp / "hf")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
            "-p", _PRECISION[quant], "-e", target, "-c", str(tmp / "builder-cache"),
@@ -146,7 +152,7 @@ def _build(model_path: Path, quant: str, target: str, tmp: Path, out: Path) -> N
     if proc.returncode != 0 or not (out / "model.onnx").is_file():
         tail = "\n".join(proc.stdout.splitlines()[-25:])
         raise ExportError(f"onnxruntime-genai builder failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    from edged.logit_rows import keep_last_logits
+    from edged.graph_edits import keep_last_logits
 
     try:
         keep_last_logits(out)

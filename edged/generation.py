@@ -15,7 +15,7 @@ draft, the following row is already computed: the draft's K/V stays and no forwa
 A mismatch drops the rest (their K/V is overwritten later). Output is plain decoding's: on the
 torch backend and fp32 ONNX graphs to float rounding; ONNX int4/int8 graphs quantize activations,
 which makes a one-token forward differ from a row of a multi-token one by up to ~1 logit, so
-there no token is ever sent alone after position 0 (``_forward``) and the rows agree bit for bit.
+there no token is ever sent alone after position 0 (``forward_tokens``) and the rows agree bit for bit.
 
 A job can be interrupted between tokens (``should_yield``: a more urgent request is waiting)
 and resumed later: its prompt plus the tokens it has are prefilled again, mostly from the
@@ -165,7 +165,8 @@ class Batch1Generator:
                 self.held.append(token)
                 continue
             drafts = self._draft(job, drafter)
-            rows = list(self._forward([token, *drafts], len(self.held), self.held[-1] if self.held else None, True))
+            rows = list(forward_tokens(self.backend, [token, *drafts], len(self.held),
+                                       self.held[-1] if self.held else None, True))
             self.held.append(token)
 
     def _draft(self, job: LocalJob, drafter: NgramDrafter | None) -> list[int]:
@@ -209,23 +210,9 @@ class Batch1Generator:
         logits = None
         for i in range(0, len(tokens), PREFILL_CHUNK):
             before = tokens[i - 1] if i else (self.held[start - 1] if start else None)
-            logits = self._forward(tokens[i:i + PREFILL_CHUNK], start + i, before, False)[-1]
+            logits = forward_tokens(self.backend, tokens[i:i + PREFILL_CHUNK], start + i, before, False)[-1]
         self.held = self.held[:start] + list(tokens)
         return logits
-
-    def _forward(self, tokens: list[int], start: int, before: int | None, every_row: bool) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of ``tokens`` placed at ``start`` (every row, or the last).
-
-        On a backend that is not ``row_exact`` a lone token goes with ``before`` (the token at
-        ``start - 1``, its K/V recomputed bit for bit): every token's logits then come from the
-        backend's multi-row path, whether drafts came with it or not, so that speculation never
-        changes a token.
-        """
-        if len(tokens) == 1 and before is not None and not self.backend.row_exact:
-            return self.backend.forward_rows([before, tokens[0]], start - 1)[1:]
-        if every_row and len(tokens) > 1:
-            return self.backend.forward_rows(tokens, start)
-        return self.backend.forward(tokens, start)[None]
 
     def _choose(self, job: LocalJob, logits: torch.Tensor) -> int:
         raw = torch.log_softmax(logits, dim=-1)  # the model's own belief, before the mask
@@ -257,6 +244,22 @@ class Batch1Generator:
             self.drafted_tokens += job.drafted_tokens
             self.accepted_drafts += job.accepted_drafts
         return True
+
+
+def forward_tokens(backend: Batch1Backend, tokens: Sequence[int], start: int, before: int | None,
+                   every_row: bool) -> torch.Tensor:
+    """Logits ``[rows, vocab]`` of ``tokens`` placed at ``start`` (every row, or the last).
+
+    On a backend that is not ``row_exact`` a lone token goes with ``before`` (the token at
+    ``start - 1``, its K/V recomputed bit for bit): every token's logits then come from the
+    backend's multi-row path, whether drafts came with it or not, so that speculation never
+    changes a token.
+    """
+    if len(tokens) == 1 and before is not None and not backend.row_exact:
+        return backend.forward_rows([before, tokens[0]], start - 1)[1:]
+    if every_row and len(tokens) > 1:
+        return backend.forward_rows(tokens, start)
+    return backend.forward(tokens, start)[None]
 
 
 def _agree(drafted: str, forced: str) -> bool:

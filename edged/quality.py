@@ -2,7 +2,8 @@
 each backend measured against the unquantized reference, through the Batch1Backend protocol only.
 
 - **nll / ppl**: the bundled text (``edged/data/quality_text.txt``) teacher-forced one token per
-  ``forward``; nll is the mean negative log-likelihood of each next token (nats).
+  forward, as edged decodes (``edged.generation.forward_tokens``: with the token before it on a
+  graph that is not row-exact); nll is the mean negative log-likelihood of each next token (nats).
 - **top1**: share of the text's positions where the argmax equals the reference's argmax.
 - **greedy**: per plan prompt, the greedy continuation of ``greedy_tokens`` tokens; ``greedy_prefix``
   is the mean share of leading tokens equal to the reference's (tokens after the first
@@ -21,6 +22,7 @@ import torch
 
 from edged.backends.base import Batch1Backend
 from edged.backends.factory import make_backend as factory_backend
+from edged.generation import forward_tokens
 from shared.engine.kv.radix import common_prefix_len
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
@@ -31,7 +33,7 @@ PLAN_PROMPTS = (
     "Plan a safe route for a cleaning robot through a hallway where people are walking.",
     "The robot arm dropped a box. Write a short plan to recover and report the error.",
 )
-DEFAULT_SPECS = (("onnx", "none"), ("onnx", "int8"), ("onnx", "int4"))
+DEFAULT_SPECS = (("onnx", "none"), ("onnx", "int8"), ("onnx", "int4"), ("onnx", "int4-a8"))
 
 
 @dataclass
@@ -50,7 +52,7 @@ def measure(backend: Batch1Backend, text_ids: Sequence[int], prompts: Sequence[S
     t0 = time.perf_counter()
     argmax, nll = [], []
     for pos in range(len(text_ids) - 1):
-        logits = backend.forward([text_ids[pos]], pos)  # [vocab] float32
+        logits = forward_tokens(backend, [text_ids[pos]], pos, text_ids[pos - 1] if pos else None, False)[0]
         argmax.append(int(logits.argmax()))
         nll.append(-float(torch.log_softmax(logits, dim=-1)[text_ids[pos + 1]]))
     greedy = [greedy_ids(backend, prompt, greedy_tokens) for prompt in prompts]
@@ -64,7 +66,8 @@ def greedy_ids(backend: Batch1Backend, prompt: Sequence[int], n: int) -> list[in
     for step in range(n):
         out.append(int(logits.argmax()))
         if step + 1 < n:
-            logits = backend.forward([out[-1]], len(prompt) + step)
+            before = out[-2] if step else prompt[-1]
+            logits = forward_tokens(backend, [out[-1]], len(prompt) + step, before, False)[0]
     return out
 
 

@@ -16,7 +16,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-QUANTS = ("none", "int8", "int4")
+# int4-a8: int4 weights with int8 activations, an ONNX CPU graph only (faster, less exact)
+QUANTS = ("none", "int8", "int4", "int4-a8")
 BACKENDS = ("onnx", "torch")
 
 

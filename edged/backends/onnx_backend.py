@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from edged.backends.base import QUANTS, KVSnapshot
-from edged.logit_rows import KEEP_INPUT
+from edged.graph_edits import KEEP_INPUT
 
 _ONNX_DTYPES = {"tensor(float)": (np.float32, torch.float32), "tensor(float16)": (np.float16, torch.float16)}
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -52,10 +52,10 @@ class OnnxBackend:
         self.vocab_size: int = genai["vocab_size"]
         self.quant: str = key.get("quant", "none")
         assert self.quant in QUANTS, self.quant
-        # NOTE: MatMulNBits quantizes activations to int8 (accuracy level 4), which turns the
-        # rounding differences between GQA's one-token and multi-token paths into up to ~1 logit;
-        # multi-token forwards agree with each other bit for bit, whatever the rows' positions.
-        self.row_exact = self.quant == "none"
+        # NOTE: int8 activations (edged.graph_edits) turn the rounding differences between GQA's
+        # one-token and multi-token paths into up to ~1 logit; multi-token forwards agree with
+        # each other bit for bit, whatever the rows' positions.
+        self.row_exact = self.quant in ("none", "int4")
         self.num_layers: int = decoder["num_hidden_layers"]
         self.kv_heads: int = decoder["num_key_value_heads"]
         self.head_dim: int = decoder["head_size"]
@@ -80,7 +80,7 @@ class OnnxBackend:
         self._np_dtype, self.dtype = _ONNX_DTYPES[inputs["past_key_values.0.key"].type]
         logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
         self._logits_np_dtype, logits_dtype = _ONNX_DTYPES[logits_out.type]
-        # which rows of logits the graph returns: as many as asked (edged.logit_rows), the last, or all
+        # which rows of logits the graph returns: as many as asked (edged.graph_edits), the last, or all
         self._rows = ("chosen" if KEEP_INPUT in inputs else
                       "all" if logits_out.shape[1] == "sequence_length" else "last")
 

@@ -89,7 +89,8 @@ def quantize_linears(model: nn.Module, quant: str) -> nn.Module:
     if quant == "none":
         return model
     if quant not in QUANTIZED_LINEAR:
-        raise ValueError(f"unknown quantization {quant!r} (expected none, int8 or int4)")
+        raise ValueError(f"quantization {quant!r}: the torch backend has none, int8 and int4 (weight-only); "
+                         "int4-a8 is an ONNX graph's")
     make = QUANTIZED_LINEAR[quant]
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:

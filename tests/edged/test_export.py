@@ -76,6 +76,8 @@ def _fake_build(calls):
 def test_export_is_reused_until_the_model_changes(monkeypatch, tmp_path):
     monkeypatch.setattr(export, "builder_version", lambda: "0.0-test")
     monkeypatch.setattr(export, "_carries_blocks", lambda *args: False)  # the bytes below are no real GGUF
+    graph_edits = pytest.importorskip("edged.graph_edits", reason="needs onnx")
+    monkeypatch.setattr(graph_edits, "set_activation_precision", lambda *args, **kwargs: 0)  # nor a real graph
     calls = []
     monkeypatch.setattr(export, "_build", _fake_build(calls))
     model = tmp_path / "m.gguf"

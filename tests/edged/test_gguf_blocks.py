@@ -80,8 +80,8 @@ def test_stacking_refuses_mixed_formats():
 
 def test_the_int4_export_runs_the_gguf_s_own_weights(default_model_path, default_checkpoint):
     """Every MatMulNBits node holds the GGUF's blocks, and the int4 graph's next-token choices
-    agree with the dequantized model in float32 (98 % here; the re-rounded graph agreed 67 % of
-    the time; ONNX Runtime's int8 activations make the rest)."""
+    agree with the dequantized model in float32 (all 160 here; the re-rounded graph agreed 67 %
+    of the time; int8 activations, int4-a8, 96-98 %)."""
     pytest.importorskip("onnxruntime_genai", reason="needs the onnx extra")
     from edged.backends.onnx_backend import OnnxBackend
     from edged.backends.torch_backend import TorchBackend
@@ -96,4 +96,4 @@ def test_the_int4_export_runs_the_gguf_s_own_weights(default_model_path, default
     agree = 0
     for i, token in enumerate(ids):
         agree += int(torch.argmax(onnx_backend.forward([token], i)) == torch.argmax(reference.forward([token], i)))
-    assert agree >= 0.95 * len(ids), f"{agree} of {len(ids)} next tokens agree"
+    assert agree >= 0.99 * len(ids), f"{agree} of {len(ids)} next tokens agree"
