@@ -37,13 +37,13 @@ def test_follow_after_growing_matches_one_built_at_once(pieces, suffix):
     assert grown.follow(suffix, 4) == NgramIndex(3, whole).follow(suffix, 4)
 
 
-@given(tokens_st, tokens_st, st.lists(st.integers(0, 5), max_size=3), st.integers(1, 6))
-def test_draft_prefers_the_longest_match_then_the_context(context, history, after, limit):
-    config = SpeculationConfig(max_ngram=3)
+@given(tokens_st, tokens_st, st.lists(st.integers(0, 5), max_size=3), st.integers(1, 6), st.integers(1, 3))
+def test_draft_prefers_the_longest_match_then_the_context(context, history, after, limit, min_ngram):
+    config = SpeculationConfig(max_ngram=3, min_ngram=min_ngram)
     drafter = NgramDrafter(config, context, NgramIndex(3, history))
     tail = (context[-3:] + after)
     expected = []
-    for n in range(min(3, len(tail)), 0, -1):
+    for n in range(min(3, len(tail)), min_ngram - 1, -1):
         suffix = tail[-n:]
         expected = naive_follow(context, suffix, limit) or naive_follow(history, suffix, limit)
         if expected:
@@ -66,7 +66,8 @@ def test_history_keeps_the_newest_tokens():
     assert history.follow([5], 2) == [6, 7]
 
 
-@pytest.mark.parametrize("bad", [{"max_draft": 0}, {"max_ngram": 0}, {"history_tokens": -1}])
+@pytest.mark.parametrize("bad", [{"max_draft": 0}, {"max_ngram": 0}, {"min_ngram": 0}, {"min_ngram": 5},
+                                 {"history_tokens": -1}])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="speculation"):
         SpeculationConfig(**bad)
