@@ -38,7 +38,7 @@ MANIFEST_VERSION = 1
 # An int4 CPU export of a GGUF holds the GGUF's own blocks (edged.carry_blocks); bump when that changes.
 GGUF_BLOCKS_VERSION = 2
 # edged.graph_edits (logits rows per call, activation precision); bump when they change.
-GRAPH_EDITS_VERSION = 2
+GRAPH_EDITS_VERSION = 3
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
 
 

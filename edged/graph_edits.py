@@ -66,7 +66,7 @@ def keep_last_logits(onnx_dir: Path) -> None:
     graph.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))
     logits = next(o for o in graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[1].dim_param = KEEP_INPUT
-    onnx.save_model(model, str(path))
+    _save(model, path)
 
 
 def set_activation_precision(onnx_dir: Path, int8_activations: bool) -> int:
@@ -85,8 +85,19 @@ def set_activation_precision(onnx_dir: Path, int8_activations: bool) -> int:
         else:
             accuracy.i = level
         changed += 1
-    onnx.save_model(model, str(path))
+    _save(model, path)
     return changed
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    """Write the graph without initializers no node reads (the pruned LM head's index, tensors
+    the carried blocks replaced): ONNX Runtime warns about each one at every start."""
+    graph = model.graph
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    used = [init for init in graph.initializer if init.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(used)
+    onnx.save_model(model, str(path))
 
 
 def _attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto:

@@ -132,23 +132,24 @@ def test_cuda_graph_replay_gives_the_eager_tokens(default_checkpoint, compiler, 
 
 
 @pytest.fixture(scope="module")
-def onnx_int4(default_model_path):
+def onnx_int4_a8(default_model_path):
+    """A graph whose one-token forward differs from its multi-token rows (int8 activations)."""
     pytest.importorskip("onnxruntime_genai", reason="needs the onnx extra: pip install 'fleetserve[onnx]'")
     from edged.backends.onnx_backend import OnnxBackend
     from edged.export import export_onnx
 
-    return OnnxBackend(export_onnx(default_model_path, "int4"), max_len=MAX_LEN, threads=1)
+    return OnnxBackend(export_onnx(default_model_path, "int4-a8"), max_len=MAX_LEN, threads=1)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 11}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("constrained", [False, True], ids=["text", "plan-schema"])
-@pytest.mark.parametrize("kind", ["torch", "onnx-int4"])
+@pytest.mark.parametrize("kind", ["torch", "onnx-int4-a8"])
 def test_speculation_changes_no_token(request, default_checkpoint, compiler, plan_prompt, sampling, constrained,
                                       kind):
     """Drafts (the grammar's forced text, n-grams of the prompt) are verified in one forward
     and kept only where sampling confirms them: the same tokens as one token per forward."""
     tok = default_checkpoint.tokenizer
-    backend = request.getfixturevalue("backend" if kind == "torch" else "onnx_int4")
+    backend = request.getfixturevalue("backend" if kind == "torch" else "onnx_int4_a8")
     spec = grammar_spec(fleet_plan_format()) if constrained else None
     outputs = []
     for speculation in (SpeculationConfig(enabled=False), SpeculationConfig()):
@@ -159,3 +160,35 @@ def test_speculation_changes_no_token(request, default_checkpoint, compiler, pla
     (plain, plain_job), (fast, fast_job) = outputs
     assert fast == plain
     assert plain_job.drafted_tokens == 0 and 0 < fast_job.accepted_drafts <= fast_job.drafted_tokens
+
+
+class _RowPathBackend:
+    """The torch backend declared not row-exact, recording how many tokens each forward sends."""
+
+    row_exact = False
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.sizes: list[tuple[int, int]] = []  # (tokens, start) per forward
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, token_ids, start):
+        self.sizes.append((len(token_ids), start))
+        return self.inner.forward(token_ids, start)
+
+    def forward_rows(self, token_ids, start):
+        self.sizes.append((len(token_ids), start))
+        return self.inner.forward_rows(token_ids, start)
+
+
+@pytest.mark.parametrize("speculation", [SpeculationConfig(enabled=False), SpeculationConfig()], ids=["plain", "spec"])
+def test_a_backend_that_is_not_row_exact_never_gets_one_token_alone(default_checkpoint, backend, compiler, plan_prompt,
+                                                                    speculation):
+    tok = default_checkpoint.tokenizer
+    expected = run(generator(backend, default_checkpoint, compiler), job(tok, plan_prompt))
+    recording = _RowPathBackend(backend)
+    gen = Batch1Generator(recording, tok, compiler, speculation=speculation)
+    assert run(gen, job(tok, plan_prompt)) == expected
+    assert len(recording.sizes) > 1 and all(n >= 2 for n, start in recording.sizes if start > 0)
