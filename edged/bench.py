@@ -16,7 +16,8 @@ For each run (``"<backend>-<quant>"``, ``"-plain"`` appended without speculation
   (to the complete plan), ``plan_decode_tok_s`` and ``complete_plan_rate``.
 
 Figures are medians over the requests; with speculation, ``acceptance_rate`` is the share of
-draft tokens sampling confirmed. ``baseline="llamacpp"`` adds ``runs.llamacpp`` (``edged.
+draft tokens sampling confirmed, and before each timed request the generator's history of
+recent outputs holds the plans of the requests before it only (never a run of the same one). ``baseline="llamacpp"`` adds ``runs.llamacpp`` (``edged.
 llamacpp_peer``): llama-server with one slot on the same GGUF and threads, the same requests,
 its system prompt cached by a request that shares it (``cache_prompt``), the same schema (its
 ``json_schema``) for plans, ``ignore_eos`` for decode; and ``llama-bench``'s tg128. The report's
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from edged.backends.factory import make_backend
 from edged.generation import Batch1Generator, LocalJob
-from edged.speculation import SpeculationConfig
+from edged.speculation import NgramIndex, SpeculationConfig, recent_outputs, remember
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.request import FinishReason
 from shared.engine.grammar.compiler import GrammarCompiler
@@ -114,12 +115,14 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
         ttft: dict[str, list[float]] = {"cold": [], "pinned": [], "pinned_system": []}
         decode: list[float] = []
         plans: list[_Timed] = []
+        earlier: list[list[int]] = []  # the plans of the requests before: what a robot's history holds
         progress = Progress(name, 4 * len(prompts), enabled=opts.progress)
         for prompt, system, prefix in zip(prompts, systems, standing, strict=True):
             for variant, pin in (("cold", None), ("pinned_system", system), ("pinned", prefix)):
                 gen.pinned.clear()
                 if pin is not None:
                     gen.pin(variant, pin)
+                gen.history = _history(earlier, gen.speculation)  # never this request's own output
                 timed = _timed(gen, _job(tok, prompt, opts.decode_tokens))
                 ttft[variant].append(timed.ttft_s)
                 decode.append(timed.decode_tok_s)
@@ -128,7 +131,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
             gen.pin("system", system)
             plan = _job(tok, prompt, opts.plan_tokens, ignore_eos=False)
             plan.spec = plan_spec
+            gen.history = _history(earlier, gen.speculation)
             plans.append(_timed(gen, plan))
+            earlier.append(plan.generated)
             progress.update(lambda: (len(decode) + len(plans), (len(decode) + len(plans)) * opts.decode_tokens))
         progress.close()
         med = statistics.median
@@ -170,6 +175,14 @@ def _timed(gen: Batch1Generator, job: LocalJob) -> _Timed:
     gen.run(job, lambda tokens, text: stamps.extend(time.perf_counter() for _ in tokens))
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
     return _Timed(stamps[0] - start, stamps[-1] - start, len(stamps), decode, job.finish_reason is FinishReason.STOP)
+
+
+def _history(outputs: list[list[int]], config: SpeculationConfig) -> NgramIndex:
+    """A generator's history of recent outputs holding ``outputs``."""
+    history = recent_outputs(config)
+    for output in outputs:
+        history = remember(history, output, config)
+    return history
 
 
 def _job(tok, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> LocalJob:
