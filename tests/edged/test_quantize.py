@@ -45,5 +45,7 @@ def test_quantize_linears_replaces_every_linear_and_keeps_the_embedding_float():
     quantize_linears(model, "int4")
     assert isinstance(model[1], Int4Linear) and isinstance(model[2][0], Int4Linear)
     assert model[0].weight.dtype == torch.float32
-    with pytest.raises(ValueError, match="unknown quantization"):
+    with pytest.raises(ValueError, match="quantization 'int3'"):
         quantize_linears(model, "int3")
+    with pytest.raises(ValueError, match="ONNX graph's"):  # int8 activations are ONNX Runtime's kernel
+        quantize_linears(model, "int4-a8")
