@@ -59,7 +59,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from edged.bench import BenchOptions, format_report, run_bench
+    from edged.bench import BenchOptions, check_baseline, format_report, run_bench
 
     from edged.llamacpp_peer import PeerMissing
 
@@ -68,11 +68,13 @@ def cmd_bench(args) -> int:
                         plan_tokens=args.plan_tokens, trace=args.trace, progress=not args.no_progress,
                         device=args.device, cuda_graphs=tuple(v == "on" for v in args.cuda_graphs),
                         speculation=tuple(v == "on" for v in args.speculation), baseline=args.baseline)
-    try:
-        runs = run_bench(opts, log=None if args.json else print)
-    except (PeerMissing, ValueError) as exc:
-        print(f"edged bench: {exc}", file=sys.stderr)
-        return 2
+    if opts.baseline is not None:
+        try:
+            check_baseline(opts)
+        except (PeerMissing, ValueError) as exc:
+            print(f"edged bench: {exc}", file=sys.stderr)
+            return 2
+    runs = run_bench(opts, log=None if args.json else print)
     print(json.dumps(runs, indent=2) if args.json else format_report(runs))
     return 0
 

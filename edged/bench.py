@@ -17,8 +17,8 @@ For each run (``"<backend>-<quant>"``, ``"-plain"`` appended without speculation
 
 Figures are medians over the requests; with speculation, ``acceptance_rate`` is the share of
 draft tokens sampling confirmed, and before each timed request the generator's history of
-recent outputs holds the plans of the requests before it only (never a run of the same one). ``baseline="llamacpp"`` adds ``runs.llamacpp`` (``edged.
-llamacpp_peer``): llama-server with one slot on the same GGUF and threads, the same requests,
+recent outputs holds the plans of the requests before it only (never a run of the same one). ``baseline="llamacpp"`` adds ``runs.llamacpp``
+(``edged.llamacpp_peer``): llama-server with one slot on the same GGUF and threads, the same requests,
 its system prompt cached by a request that shares it (``cache_prompt``), the same schema (its
 ``json_schema``) for plans, ``ignore_eos`` for decode; and ``llama-bench``'s tg128. The report's
 ratios are the issues' bars: onnx-int4 decode over torch-none decode, pinned TTFT over cold TTFT,
@@ -39,9 +39,9 @@ from edged.backends.factory import make_backend
 from edged.generation import Batch1Generator, LocalJob
 from edged.speculation import NgramIndex, SpeculationConfig, recent_outputs, remember
 from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.request import FinishReason
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec, plan_schema
+from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import load_checkpoint
 from shared.progress import Progress
@@ -92,7 +92,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
     GGUF, ``edged.llamacpp_peer.PeerMissing`` when llama.cpp is not set up (before any run).
     """
     if opts.baseline is not None:
-        _check_baseline(opts)
+        check_baseline(opts)
     checkpoint = load_checkpoint(opts.model)
     tok = checkpoint.tokenizer
     compiler = GrammarCompiler(tok)
@@ -194,7 +194,9 @@ def _ignore(tokens, text) -> None:
     pass
 
 
-def _check_baseline(opts: BenchOptions) -> None:
+def check_baseline(opts: BenchOptions) -> None:
+    """ValueError for an unknown baseline or a llama.cpp one on a model that is not a GGUF;
+    ``edged.llamacpp_peer.PeerMissing`` when llama.cpp is not set up."""
     from edged.llamacpp_peer import peer_binary
 
     if opts.baseline not in BASELINES:

@@ -30,7 +30,8 @@ QUANTS = ("none", "int8", "int4", "int4-a8")  # int4-a8: int4 weights, int8 acti
 TARGETS = ("cpu", "cuda")
 # quant -> the builder's --precision. NOTE: "none" stays fp32 on cuda too, so it matches torch fp32.
 _PRECISION = {"none": "fp32", "int8": "int8", "int4": "int4", "int4-a8": "int4"}
-# NOTE: edged only needs the last token's logits; pruning the LM head to it cuts prefill ~15%.
+# NOTE: a prefill needs only the last token's logits; pruning the LM head to it cuts prefill ~15%
+# (edged.graph_edits then lets a call ask for more rows, for speculation).
 BUILDER_OPTIONS = {"prune_lm_head": "true"}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 MANIFEST = "manifest.json"

@@ -13,7 +13,8 @@ returns a logits row per token; the next token is sampled from the first row exa
 decoding would (same mask, same sampler, one draw per token), and while it equals the next
 draft, the following row is already computed: the draft's K/V stays and no forward is needed.
 A mismatch drops the rest (their K/V is overwritten later). Output is plain decoding's: on the
-torch backend and fp32 ONNX graphs to float rounding; ONNX int4/int8 graphs quantize activations,
+torch backend and float-activation ONNX graphs (none, int4) to float rounding; ONNX int8 and
+int4-a8 graphs quantize activations,
 which makes a one-token forward differ from a row of a multi-token one by up to ~1 logit, so
 there no token is ever sent alone after position 0 (``forward_tokens``) and the rows agree bit for bit.
 
@@ -67,8 +68,8 @@ class LocalJob:
     pinned_prompt: str | None = None  # the pinned prompt the first run started from
     first_token_s: float | None = None  # clock time of the first token
     preemptions: int = 0
-    drafted_tokens: int = 0  # speculative draft tokens verified (all runs of this job)
-    accepted_drafts: int = 0  # of those, confirmed by sampling
+    drafted_tokens: int = 0  # speculative draft tokens sent with a forward (all runs of this job)
+    accepted_drafts: int = 0  # of those, confirmed by sampling (the rest were refused or unused)
     error: str | None = None  # the backend failed; nothing usable was produced
 
     @property

@@ -114,13 +114,15 @@ class LlamaServer:
         while time.monotonic() < ends:
             if self.process.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self.process.returncode} at start-up")
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
                     return
-            except OSError:
-                pass
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet, or half started
+            finally:
+                conn.close()
             time.sleep(0.3)
         raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s")
 

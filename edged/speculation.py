@@ -98,4 +98,5 @@ def remember(history: NgramIndex, output: Sequence[int], config: SpeculationConf
     history.extend(output)
     if len(history.tokens) <= config.history_tokens:
         return history
-    return NgramIndex(config.max_ngram, history.tokens[-config.history_tokens:])
+    tokens = history.tokens
+    return NgramIndex(config.max_ngram, tokens[len(tokens) - config.history_tokens:])

@@ -37,7 +37,7 @@ class Batch1Backend(Protocol):
     max_len: int  # positions the KV buffer holds
     vocab_size: int
     # Whether a one-token forward computes the logits a row of a multi-token forward does (to
-    # float rounding). False where activations are quantized per forward path (ONNX int4/int8):
+    # float rounding). False where activations are quantized per forward path (ONNX int8, int4-a8):
     # the generator then never sends one token alone after position 0.
     row_exact: bool
 

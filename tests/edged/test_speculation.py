@@ -64,6 +64,8 @@ def test_history_keeps_the_newest_tokens():
     history = remember(history, [5, 6, 7], config)
     assert history.tokens == [3, 4, 5, 6, 7]
     assert history.follow([5], 2) == [6, 7]
+    none = SpeculationConfig(history_tokens=0)
+    assert remember(recent_outputs(none), [1, 2, 3], none).tokens == []  # no history at all
 
 
 @pytest.mark.parametrize("bad", [{"max_draft": 0}, {"max_ngram": 0}, {"min_ngram": 0}, {"min_ngram": 5},
