@@ -117,6 +117,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
         plans: list[_Timed] = []
         earlier: list[list[int]] = []  # the plans of the requests before: what a robot's history holds
         progress = Progress(name, 4 * len(prompts), enabled=opts.progress)
+        done = _counter(decode, plans, opts.decode_tokens)
         for prompt, system, prefix in zip(prompts, systems, standing, strict=True):
             for variant, pin in (("cold", None), ("pinned_system", system), ("pinned", prefix)):
                 gen.pinned.clear()
@@ -126,7 +127,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
                 timed = _timed(gen, _job(tok, prompt, opts.decode_tokens))
                 ttft[variant].append(timed.ttft_s)
                 decode.append(timed.decode_tok_s)
-                progress.update(lambda: (len(decode) + len(plans), (len(decode) + len(plans)) * opts.decode_tokens))
+                progress.update(done)
             gen.pinned.clear()
             gen.pin("system", system)
             plan = _job(tok, prompt, opts.plan_tokens, ignore_eos=False)
@@ -134,7 +135,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
             gen.history = _history(earlier, gen.speculation)
             plans.append(_timed(gen, plan))
             earlier.append(plan.generated)
-            progress.update(lambda: (len(decode) + len(plans), (len(decode) + len(plans)) * opts.decode_tokens))
+            progress.update(done)
         progress.close()
         med = statistics.median
         runs[name] = {f"ttft_{variant}_s": med(times) for variant, times in ttft.items()}
@@ -185,6 +186,11 @@ def _history(outputs: list[list[int]], config: SpeculationConfig) -> NgramIndex:
     return history
 
 
+def _counter(decode: list, plans: list, decode_tokens: int) -> Callable[[], tuple[int, int]]:
+    """The progress line's (timed requests, decoded tokens) so far."""
+    return lambda: (len(decode) + len(plans), (len(decode) + len(plans)) * decode_tokens)
+
+
 def _job(tok, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> LocalJob:
     return LocalJob("bench", list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                     IncrementalDetokenizer(tok))
@@ -214,16 +220,17 @@ def _llamacpp_run(opts: BenchOptions, requests: list[list[dict]]) -> dict:
 
     decode, plans = [], []
     progress = Progress("llamacpp", 2 * len(requests), enabled=opts.progress)
+    done = _counter(decode, plans, opts.decode_tokens)
     with LlamaServer(opts.model, opts.threads) as server:
         server.chat([{"role": "user", "content": "Hello."}], 4, cache_prompt=False)  # warm-up
         for messages in requests:
             warm = [messages[0], {"role": "user", "content": "Status?"}]  # the same system prompt, cached
             server.chat(warm, 1)
             decode.append(server.chat(messages, opts.decode_tokens, ignore_eos=True).decode_tok_s)
-            progress.update(lambda: (len(decode) + len(plans), (len(decode) + len(plans)) * opts.decode_tokens))
+            progress.update(done)
             server.chat(warm, 1)
             plans.append(server.chat(messages, opts.plan_tokens, json_schema=PLAN_SCHEMA))
-            progress.update(lambda: (len(decode) + len(plans), (len(decode) + len(plans)) * opts.decode_tokens))
+            progress.update(done)
     progress.close()
     med = statistics.median
     return {"decode_tok_s": med(decode), "requests": len(requests),

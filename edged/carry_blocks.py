@@ -112,9 +112,15 @@ def _offset_term(model: onnx.ModelProto, node: onnx.NodeProto, offsets: np.ndarr
 
 def _lookups(model: onnx.ModelProto, packed: str) -> bool:
     """Whether a token lookup reads these blocks (directly or through a Reshape)."""
-    reshaped = {n.output[0] for n in model.graph.node if n.op_type == "Reshape" and n.input[0] == packed}
-    return any(n.op_type == "GatherBlockQuantized" and (n.input[0] == packed or n.input[0] in reshaped)
-               for n in model.graph.node)
+    return bool(_lookup_nodes(model, packed)[1])
+
+
+def _lookup_nodes(model: onnx.ModelProto, packed: str) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
+    """The Reshapes of ``packed`` and the token lookups (GatherBlockQuantized) reading it or them."""
+    reshapes = [n for n in model.graph.node if n.op_type == "Reshape" and n.input[0] == packed]
+    sources = {packed} | {n.output[0] for n in reshapes}
+    gathers = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized" and n.input[0] in sources]
+    return reshapes, gathers
 
 
 def _gguf_blocks(tensors, config: ModelConfig) -> dict[str, BlockWeight]:
@@ -147,21 +153,19 @@ def _follow_lookups(model: onnx.ModelProto, packed: str, weight: BlockWeight, ze
     """Point the token lookups that read ``packed`` (through a Reshape to [N, K * bits / 8]) at
     the new blocks: the reshape's shape, the lookup's bits and zero points."""
     n, k = weight.codes.shape
-    reshaped = {}
-    for node in model.graph.node:
-        if node.op_type == "Reshape" and node.input[0] == packed:
-            shape = numpy_helper.from_array(np.array([n, k * weight.bits // 8], np.int64), f"{packed}_lookup_shape")
-            model.graph.initializer.append(shape)
-            node.input[1] = shape.name
-            reshaped[node.output[0]] = node
+    reshapes, gathers = _lookup_nodes(model, packed)
+    for node in reshapes:
+        shape = numpy_helper.from_array(np.array([n, k * weight.bits // 8], np.int64), f"{packed}_lookup_shape")
+        model.graph.initializer.append(shape)
+        node.input[1] = shape.name
+    reshaped = {node.output[0] for node in reshapes}
     stale = [v for v in model.graph.value_info if v.name in reshaped]  # the old shape, inferred by the builder
     for info in stale:
         model.graph.value_info.remove(info)
-    for node in model.graph.node:
-        if node.op_type == "GatherBlockQuantized" and (node.input[0] == packed or node.input[0] in reshaped):
-            next(a for a in node.attribute if a.name == "bits").i = weight.bits
-            if zero is not None:
-                _set_input(node, 3, zero.name)
+    for node in gathers:
+        next(a for a in node.attribute if a.name == "bits").i = weight.bits
+        if zero is not None:
+            _set_input(node, 3, zero.name)
 
 
 def _set_input(node: onnx.NodeProto, index: int, name: str) -> None:

@@ -54,10 +54,6 @@ def capture(run: Callable[[], torch.Tensor], device: torch.device,
     return graph, output
 
 
-# Rows of DecodeGraphs' static input buffer, filled by one host-to-device copy a step.
-IDS, POSITIONS, SLOTS, LENS = range(4)
-
-
 class DecodeGraphs:
     """One captured decode forward per bucket, over static input buffers (see the module docstring)."""
 
@@ -68,15 +64,16 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.null_slot = null_block * block_size
         self.null_block = null_block
-        self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=device)  # IDS, POSITIONS, SLOTS, LENS
-        self.inputs[SLOTS] = self.null_slot  # until the first step: every row one key in the null block
-        self.inputs[LENS] = 1
+        # ids, positions, slots, lens: one static buffer, filled by one host-to-device copy a step
+        self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=device)
+        ids, positions, slots, lens = self.inputs
+        slots.fill_(self.null_slot)  # until the first step: every row one key in the null block
+        lens.fill_(1)
         self.tables = torch.full((max_rows, max_blocks), null_block, dtype=torch.int64, device=device)
         self.buckets = buckets_up_to(max_rows)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        ids, positions, slots, lens = self.inputs
         for bucket in reversed(self.buckets):  # largest first: the pool fits the rest
             plan = DecodePlan.per_row(self.tables[:bucket], lens[:bucket],
                                       splits=splits_for(bucket, kv_heads, max_blocks, target_programs))

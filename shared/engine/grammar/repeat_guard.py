@@ -14,6 +14,7 @@ dead end: when every allowed token would be banned, none is (a repeat is better 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -56,8 +57,9 @@ class StepRepeatGuard:
         self._tokens = tokens
         self.repeatable = repeatable
 
-    @property
+    @functools.cached_property
     def tokens(self) -> TokenBytes:
+        """The vocabulary, waited for once (a per-token path reads it)."""
         return self._tokens.result()
 
     def restrict(self, matcher: xgr.GrammarMatcher, text: bytes, mask: torch.Tensor) -> None:
