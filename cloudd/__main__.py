@@ -14,6 +14,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 from cloudd.trace import bundled_trace  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
@@ -21,6 +22,11 @@ from shared.config import load_engine_config  # noqa: E402
 from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
 from shared.engine.kernel_choice import KERNEL_NAMES  # noqa: E402
 from shared.engine.engine_config import EngineConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from cloudd.server import ServeConfig
+    from shared.engine.engine import Engine
+    from shared.model.tokenizer import Tokenizer
 
 
 def _url_list(text: str) -> tuple[str, ...]:
@@ -152,24 +158,30 @@ def cmd_api_key(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    import concurrent.futures
-    import logging
-    import signal
-    import threading
+@dataclasses.dataclass
+class ServingEngine:
+    """What ``cloudd serve`` (and each cluster replica) runs: the engine, warmed up, and the config."""
 
-    from cloudd.api_keys import ApiKeys
-    from cloudd.http_api import ApiContext, make_http_server
-    from cloudd.server import CloudServer, ServeConfig
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    serve: ServeConfig
+    policy: str  # "fleet" | "fcfs"
+    warm_up_s: float
+
+
+def build_serving_engine(args) -> ServingEngine:
+    """The model, the engine with the config's policy, the configured grammars compiled and one
+    warm-up step run: ready for the first request."""
+    import concurrent.futures
+
+    from cloudd.server import ServeConfig
     from shared.config import load_section
     from shared.engine.engine import Engine
     from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
     from shared.model.checkpoint import load_checkpoint
     from shared.model.llama import build_model
-    from shared.transport.client import ClientConfig, FleetClient
-    from shared.transport.loopback import is_loopback
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
     ports = {"zmq_port": args.zmq_port, "http_port": args.http_port}
     serve = dataclasses.replace(serve, **{k: v for k, v in ports.items() if v is not None})
@@ -185,13 +197,40 @@ def cmd_serve(args) -> int:
     # running takes a core from the first steps (measured: a first step of 234 ms, not 22)
     concurrent.futures.wait(engine.precompile(_response_formats(serve.precompile)))
     warm_up_s = engine.warm_up()
+    return ServingEngine(engine, ckpt.tokenizer, model_path.stem, serve, args.policy, warm_up_s)
+
+
+def engine_note(serving: ServingEngine) -> str:
+    """How the engine started, for a ready line."""
+    engine = serving.engine
+    dtype = engine.config.dtype_choice
+    return (f"policy={serving.policy} "
+            f"compile={'off' if engine.compile_seconds is None else f'{engine.compile_seconds:.1f}s'} "
+            f"warm_up={serving.warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason}) kernels={engine.runner.kernels} "
+            f"cuda_graphs={_graphs_note(engine)}")
+
+
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    from cloudd.api_keys import ApiKeys
+    from cloudd.http_api import ApiContext, make_http_server
+    from cloudd.server import CloudServer
+    from shared.transport.client import ClientConfig, FleetClient
+    from shared.transport.loopback import is_loopback
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serving = build_serving_engine(args)
+    engine, serve, model_name = serving.engine, serving.serve, serving.model_name
     freeze_start_up_heap()
     respond_between_steps()
-    server = CloudServer(engine, serve, model_name=model_path.stem)
+    server = CloudServer(engine, serve, model_name=model_name)
     client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
     api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
     http = make_http_server(serve.http_host, serve.http_port,
-                            ApiContext(client, ckpt.tokenizer, server.metrics, model_path.stem, api_keys,
+                            ApiContext(client, serving.tokenizer, server.metrics, model_name, api_keys,
                                        open_probes=is_loopback(serve.http_host)),
                             timeout_s=serve.http_timeout_s, max_connections=serve.http_max_connections)
     http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
@@ -200,11 +239,7 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda *_: server.stop())
     signal.signal(signal.SIGHUP, lambda *_: _reload_keys(server, api_keys))
     host, port = http.server_address[:2]
-    dtype = engine_config.dtype_choice
-    print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} policy={args.policy} "
-          f"compile={'off' if engine.compile_seconds is None else f'{engine.compile_seconds:.1f}s'} "
-          f"warm_up={warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason}) kernels={engine.runner.kernels} "
-          f"cuda_graphs={_graphs_note(engine)}", flush=True)
+    print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} {engine_note(serving)}", flush=True)
     try:
         server.serve_forever()
     finally:
@@ -212,6 +247,48 @@ def cmd_serve(args) -> int:
         client.close()
         engine.close()  # after the loop returned: no step races the tier copier's last copies
     print("cloudd: stopped", flush=True)
+    return 0
+
+
+ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "cuda_graphs", "block_size", "num_blocks",
+               "max_num_seqs", "max_batched_tokens")
+
+
+def cmd_cluster_serve(args) -> int:
+    """`cluster serve`: replicas on Ray Serve behind the fleet router (cloudd.cluster)."""
+    import logging
+
+    from cloudd.cluster.app import serve_cluster
+    from cloudd.cluster.config import ClusterConfig
+    from cloudd.server import ServeConfig
+    from shared.config import load_section
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
+    overrides = {"replicas": args.replicas, "router": args.router}
+    cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
+    serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
+    replica_args = {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": _model_path(args), "zmq_port": 0,
+                    "http_port": 0, "policy": "fleet"}
+    return serve_cluster(cluster, replica_args, replica_args["model"],
+                         {"zmq_port": args.zmq_port, "http_port": args.http_port}, serve)
+
+
+def cmd_cluster_status(args) -> int:
+    """`cluster status`: the front's replicas and router decisions."""
+    from rich.console import Console
+
+    from cloudd.fleetctl import replicas_table, status_panel
+    from shared.transport.client import ClientConfig, FleetClient
+
+    with FleetClient(args.endpoint, ClientConfig(timeout_s=args.timeout, retries=0)) as client:
+        snap = client.stats(args.timeout)
+    if "cluster" not in snap:
+        raise ValueError(f"{args.endpoint} is a single cloudd, not a cluster front (see fleetctl status)")
+    if args.json:
+        print(json.dumps(snap["cluster"], indent=2))
+    else:
+        Console().print(status_panel(snap) if args.verbose else replicas_table(snap))
     return 0
 
 
@@ -320,6 +397,22 @@ def main(argv: list[str] | None = None) -> int:
                        help="scheduling: fleet (classes, deadlines, fairness; default) or fcfs (a baseline)")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    cluster = sub.add_parser("cluster", help="cloudd replicas on Ray Serve behind the fleet router")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    cluster_serve = cluster_sub.add_parser("serve", help="start (or join) Ray, the replicas and the front")
+    cluster_serve.add_argument("--zmq-port", type=int, help="the front's ZeroMQ port on loopback (0: any free port)")
+    cluster_serve.add_argument("--http-port", type=int, help="the front's OpenAI HTTP port (0: any free port)")
+    cluster_serve.add_argument("--replicas", type=int, help="replicas at start ([cluster] replicas)")
+    cluster_serve.add_argument("--router", choices=["fleet", "hash", "pow2"], help="[cluster] router")
+    _engine_args(cluster_serve)
+    cluster_serve.set_defaults(func=cmd_cluster_serve)
+    cluster_status = cluster_sub.add_parser("status", help="the replicas and the router's decisions")
+    cluster_status.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the front's ZeroMQ endpoint")
+    cluster_status.add_argument("--timeout", type=float, default=15.0)
+    cluster_status.add_argument("--json", action="store_true", help="print the cluster part of the stats as JSON")
+    cluster_status.add_argument("--verbose", action="store_true", help="the whole status panel (fleetctl status)")
+    cluster_status.set_defaults(func=cmd_cluster_status)
+
     api_key = sub.add_parser("api-key", help="make an HTTP API key: prints the token once, appends its hash to FILE")
     api_key.add_argument("name", help="the key's name: requests with it are served as this robot_id")
     api_key.add_argument("--file", required=True, help="the key file ([serve] http_api_keys)")

@@ -157,6 +157,25 @@ def recent_table(snap: Snapshot) -> Table:
 # --- views --------------------------------------------------------------------------------------
 
 
+def replicas_table(snap: Snapshot) -> Table:
+    """A cluster's replicas (``cloudd cluster serve``): load, KV, cache hits, and what the router
+    sent each; the router's decisions in the caption."""
+    cluster = snap.get("cluster") or {}
+    rows = [[fmt(r.get("replica")), fmt(r.get("pid")), fmt(r.get("running")), fmt(r.get("waiting")),
+             f"{fmt(r.get('kv_blocks_used'))}/{fmt(r.get('kv_blocks_total'))}", fmt(r.get("prefix_hit_rate"), ".1%"),
+             fmt(r.get("output_tok_s"), ".1f"), fmt(r.get("routed")), fmt(r.get("prefix_hits"))]
+            for r in cluster.get("replicas") or []]
+    table = _table("replicas", [_id_column("replica", 24), _number_column("pid"), _number_column("running"),
+                                _number_column("waiting"), _number_column("KV blocks"), _number_column("prefix hits"),
+                                _number_column("tok/s"), _number_column("routed"), _number_column("routed to its prefix")],
+                   rows, len(rows))
+    router = cluster.get("router") or {}
+    decisions = " · ".join(f"{k} {v}" for k, v in sorted((router.get("decisions") or {}).items())) or "none yet"
+    table.caption = (f"router {fmt(router.get('policy'))}: {decisions} · robots moved {fmt(router.get('moves'))}"
+                     f" · requests resumed after a replica died {fmt(cluster.get('resumed'))}")
+    return table
+
+
 def _summary_lines(snap: Snapshot) -> list[tuple[str, str]]:
     """(label, value) lines of the status panel."""
     tp, eng, lat, tot = (snap.get(k) or {} for k in ("throughput", "engine", "latency", "totals"))
@@ -202,8 +221,8 @@ def _tier_lines(tiers: dict | None) -> list[tuple[str, str]]:
 
 def status_panel(snap: Snapshot) -> RenderableType:
     """``fleetctl status``: model, policy, state and uptime in the title; throughput, batch, KV
-    use and prefix-cache hit rate, fleet-wide latency percentiles and totals; then the classes
-    table."""
+    use and prefix-cache hit rate, fleet-wide latency percentiles and totals; a cluster's
+    replicas and router; then the classes table."""
     state = snap.get("state") or "-"
     title = Text.assemble(("cloudd ", "bold"), (fmt(snap.get("model")), "bold cyan"),
                           f" ({fmt(snap.get('policy'))} policy) · ",
@@ -213,7 +232,8 @@ def status_panel(snap: Snapshot) -> RenderableType:
     grid.add_column()
     for label, value in _summary_lines(snap):
         grid.add_row(label, value)
-    return Group(Panel(grid, title=title, title_align="left", box=box.ROUNDED), classes_table(snap))
+    cluster = [replicas_table(snap)] if snap.get("cluster") else []
+    return Group(Panel(grid, title=title, title_align="left", box=box.ROUNDED), *cluster, classes_table(snap))
 
 
 def requests_view(snap: Snapshot) -> RenderableType:

@@ -388,8 +388,8 @@ class CloudServer:
             return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, "the deadline passed while the prompt "
                                                          "was being prepared", rid))
         try:
-            self.engine.submit(prepared, params, rid, buffered=False,
-                               priority=msg.priority, robot_id=msg.robot_id, deadline_s=deadline_s)
+            self.engine.submit(prepared, params, rid, buffered=False, priority=msg.priority, robot_id=msg.robot_id,
+                               deadline_s=deadline_s, resume_token_ids=msg.resume_token_ids)
         except DeadlineUnmeetable as e:
             return self._answer_unstarted(pending, Error(ErrorCode.DEADLINE, str(e), rid))
         except ValueError as e:

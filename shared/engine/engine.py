@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import defaultdict
@@ -208,6 +209,7 @@ class Engine:
         robot_id: str = "",
         deadline_s: float | None = None,
         response_format: Mapping | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> str:
         """Queue a request: token ids, a plain string, chat messages (rendered with the model's
         chat template), or what ``prepare`` made of one (``response_format`` is then ignored:
@@ -223,13 +225,22 @@ class Engine:
         grammar compiles on a worker (cached by spec) while the request waits in
         ``WAITING_FOR_GRAMMAR``; the step loop never blocks on it.
         ``buffered`` keeps the request's deltas for ``stream``/``drain``; a caller that consumes
-        what ``step`` returns (a daemon's loop) passes False, and nothing is kept."""
+        what ``step`` returns (a daemon's loop) passes False, and nothing is kept.
+
+        ``resume_token_ids``: output an earlier execution of this request already delivered (a
+        cluster front resuming a request whose replica died): the request starts as a preempted
+        one would, with them as its output (computed again with the prompt, counted against
+        ``max_tokens``, accepted by its grammar before it samples); its deltas carry only the
+        tokens and text that follow them. One whose resumed output already ended it (a stop
+        token, ``max_tokens``) ends at the next step without computing anything."""
         rid = request_id if request_id is not None else f"req-{next(self._seq)}"
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare(prompt, response_format)
+        if resume_token_ids:
+            self._tokenize(list(resume_token_ids))  # ValueError for ids outside the vocabulary
         spec = prepared.spec
         now = self.clock()
         req = Request(
@@ -241,6 +252,8 @@ class Engine:
             priority=priority,
             robot_id=robot_id,
             deadline=None if deadline_s is None else now + deadline_s,
+            output_token_ids=list(resume_token_ids),
+            output_logprobs=[math.nan] * len(resume_token_ids) if sampling.logprobs else [],
         )
         if deadline_s is not None:
             eta = self.scheduler.first_token_eta(req)
@@ -255,7 +268,8 @@ class Engine:
             req.repeat_guard = self.grammar_compiler.repeat_guard(spec)
         self.scheduler.add(req)
         if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+            self._detok[rid] = detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+            detok.push(resume_token_ids)  # their text was delivered by the earlier execution
         self._live.add(rid)
         if buffered:
             self._buffered.add(rid)

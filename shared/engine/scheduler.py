@@ -20,6 +20,7 @@ appended to its chunk when budget and memory allow. Plain ints only; never touch
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from shared.engine.policy import SchedulingPolicy
 from shared.engine.request import FinishReason, Request, RequestStatus, stop_reason
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.engine.service_rate import ServiceRate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class Scheduler:
         self.loading: dict[Request, None] = {}  # WAITING_FOR_TIER_LOAD
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.resumed_complete: list[Request] = []  # resumed with an output that already ends them
         self.num_preemptions = 0
         self.num_deadline_misses = 0
         self.num_forced_tokens = 0  # output tokens from accepted jump-forward drafts
@@ -114,6 +118,8 @@ class Scheduler:
             self.kv.prefetch(req)
         self.requests[req.request_id] = req
         self.policy.on_add(req)
+        if req.output_token_ids and self._stop_reason(req, req.output_token_ids[-1]) is not None:
+            self.resumed_complete.append(req)  # ``expire`` ends it before anything is computed
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End ``req`` (running or waiting): cache what it computed and release its KV."""
@@ -134,17 +140,23 @@ class Scheduler:
         self.policy.on_finish(req)
 
     def expire(self) -> list[FinishedRequest]:
-        """End every request whose deadline has passed, with what it has (``deadline``)."""
+        """End every request whose deadline has passed, with what it has (``deadline``), and
+        every resumed one whose resumed output already ended it (a stop token, max_tokens)."""
+        complete = [FinishedRequest(r, self._stop_reason(r, r.output_token_ids[-1])) for r in self.resumed_complete
+                    if r.request_id in self.requests]
+        self.resumed_complete.clear()
+        for f in complete:
+            self.finish(f.request, f.reason)
         now = self.clock()
         late = [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
         for req in late:
             self.finish(req, FinishReason.DEADLINE)
         self.num_deadline_misses += len(late)
-        return [FinishedRequest(r, FinishReason.DEADLINE) for r in late]
+        return complete + [FinishedRequest(r, FinishReason.DEADLINE) for r in late]
 
     def admit_compiled(self) -> list[FinishedRequest]:
         """Queue the requests whose grammar has compiled; end (``abort``) any whose compilation
-        failed. Returns those it ended."""
+        failed or whose grammar refuses its resumed output. Returns those it ended."""
         failed = []
         for req in [r for r in self.awaiting_grammar if r.grammar_pending.done()]:
             future, req.grammar_pending = req.grammar_pending, None
@@ -154,6 +166,11 @@ class Scheduler:
                 continue
             del self.awaiting_grammar[req]
             req.grammar = GrammarState(future.result(), req.repeat_guard)
+            if not all(req.grammar.accept(t) for t in req.output_token_ids):  # a resumed output
+                log.warning("%s: its grammar refuses its resumed output", req.request_id)
+                self.finish(req, FinishReason.ABORT)
+                failed.append(FinishedRequest(req, FinishReason.ABORT))
+                continue
             req.status = RequestStatus.WAITING
             self.waiting[req] = None
             self.kv.prefetch(req)

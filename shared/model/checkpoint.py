@@ -41,3 +41,16 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_folder(path)
     raise ValueError(f"{path}: expected a .gguf file or a HF model folder containing config.json")
+
+
+def load_tokenizer(path: Path | str) -> Tokenizer:
+    """Only the tokenizer of a `.gguf` file or a HF folder (a front that never runs the model)."""
+    from shared.model.gguf_loader import build_tokenizer, read_gguf
+    from shared.model.hf_loader import read_tokenizer
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return build_tokenizer(read_gguf(path)[0])
+    if path.is_dir():
+        return read_tokenizer(path)
+    raise ValueError(f"{path}: expected a .gguf file or a HF model folder")

@@ -141,6 +141,11 @@ class Generate:
     tags: tuple[str, ...] = bounded(MAX_TAGS)  # task tags; edged escalates the tags its config lists
     stream: bool = False
     resume_from: int = 0  # on a retry of a stream: resend chunks from this seq on
+    # Output an earlier execution of this request delivered (a cluster front resuming a request
+    # whose replica died): generation continues after these tokens, which count against
+    # max_tokens; chunks and the result's text and token_ids carry only what follows them,
+    # usage counts them too.
+    resume_token_ids: tuple[int, ...] = bounded(MAX_PROMPT_IDS)
 
     def __post_init__(self) -> None:
         _check_items(self)
@@ -155,11 +160,13 @@ class Generate:
         if self.deadline_ms is not None:
             _check_range("deadline_ms", self.deadline_ms, 1)
         _check_range("resume_from", self.resume_from, 0)
-        if self.prompt_ids and not all(0 <= t < WIRE_INT_LIMIT for t in self.prompt_ids):
-            raise ValueError(f"prompt_ids must be in [0, {WIRE_INT_LIMIT})")
+        for name in ("prompt_ids", "resume_token_ids"):
+            if not all(0 <= t < WIRE_INT_LIMIT for t in getattr(self, name)):
+                raise ValueError(f"{name} must be in [0, {WIRE_INT_LIMIT})")
 
     def fingerprint(self) -> tuple:
-        """What makes two messages the same request (a retry may differ only in resume_from)."""
+        """What makes two messages the same request (a retry may differ only in its progress:
+        resume_from and resume_token_ids)."""
         return (self.messages, self.prompt_ids, self.sampling, self.response_format and repr(self.response_format),
                 self.priority, self.deadline_ms, self.robot_id, self.escalation, self.tags, self.stream)
 

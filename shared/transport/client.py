@@ -88,6 +88,20 @@ class Call:
             if isinstance(reply, Result | Error):
                 return
 
+    def next_replies(self, timeout_s: float | None = None) -> list[Reply]:
+        """The next reply (waiting up to ``timeout_s``, else ``TimeoutError``) and every one
+        already queued behind it: a relay forwards a step's replies together."""
+        try:
+            replies = [self._queue.get(timeout=timeout_s)]
+        except queue.Empty:
+            raise TimeoutError(f"no reply for {self.request_id!r} within {timeout_s} s") from None
+        while not isinstance(replies[-1], Result | Error):
+            try:
+                replies.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return replies
+
     def result(self, timeout_s: float | None = None) -> Result:
         """The final result; raises ``RequestFailed`` for an error reply."""
         for reply in self.events(timeout_s):

@@ -312,3 +312,28 @@ def test_warm_up_changes_no_request_cache_counter_or_kv():
     assert all(not cache[0].any() for layer in e.runner.kv_caches for cache in layer)  # the null block is zeros
     warmed = e.generate([PROMPT, OTHER], greedy(6))
     assert [r.output_token_ids for r in warmed] == [greedy_reference(MODEL, p, 6) for p in (PROMPT, OTHER)]
+
+
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_a_resumed_request_continues_after_its_resumed_tokens(k):
+    eng = engine()
+    expected = greedy_reference(MODEL, PROMPT, 12)
+    rid = eng.submit(PROMPT, greedy(12), resume_token_ids=expected[:k])
+    deltas = list(eng.stream(rid))
+    assert [t for d in deltas for t in d.token_ids] == expected[k:]
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+    eng.scheduler.kv.check_integrity([])
+
+
+def test_a_resumed_request_whose_tokens_already_end_it_finishes_without_computing():
+    eng = engine()
+    rid = eng.submit(PROMPT, greedy(3), resume_token_ids=[1, 2, 3])
+    assert list(eng.stream(rid)) == [TokenDelta(rid, [], "", [], FinishReason.LENGTH)]
+    stopped = eng.submit(PROMPT, greedy(8, stop_token_ids=(7,)), resume_token_ids=[1, 7])
+    assert list(eng.stream(stopped))[-1].finish_reason == FinishReason.STOP
+    assert eng.num_steps == 0
+
+
+def test_resumed_tokens_outside_the_vocabulary_are_rejected():
+    with pytest.raises(ValueError, match="token ids"):
+        engine().submit(PROMPT, greedy(4), resume_token_ids=[VOCAB])

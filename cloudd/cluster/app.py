@@ -1,0 +1,97 @@
+"""``cloudd cluster serve``: Ray up (local on loopback, or joined), the replicas deployed with the
+fleet router and the autoscaling policy, the front (ZeroMQ protocol) and the OpenAI HTTP API in
+front of them; a clean stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+
+from cloudd.cluster.config import ClusterConfig
+from cloudd.cluster.ray_runtime import import_ray, start_ray, stop_ray
+from cloudd.cluster.routing import RoutingConfig
+
+APP_NAME = "cloudd"
+log = logging.getLogger(__name__)
+
+
+def routing_config(cluster: ClusterConfig) -> RoutingConfig:
+    return RoutingConfig(policy=cluster.router, imbalance_abs=cluster.imbalance_abs,
+                         imbalance_rel=cluster.imbalance_rel, hash_load_factor=cluster.hash_load_factor,
+                         pages_per_replica=cluster.prefix_pages_per_replica)
+
+
+def deploy(cluster: ClusterConfig, serve_args: dict):
+    """Run the replicas (Ray must be up); returns their deployment handle once all are ready."""
+    _, serve = import_ray()
+    from ray.serve.config import RequestRouterConfig
+
+    from cloudd.cluster.ray_router import FleetRequestRouter
+    from cloudd.cluster.replica import EngineReplica
+
+    options = {
+        "ray_actor_options": {"num_cpus": cluster.num_cpus_per_replica, "num_gpus": cluster.num_gpus_per_replica},
+        "max_ongoing_requests": cluster.max_ongoing_requests,
+        "health_check_period_s": cluster.health_check_period_s,
+        "health_check_timeout_s": cluster.health_check_timeout_s,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=FleetRequestRouter,
+            request_router_kwargs=dataclasses.asdict(routing_config(cluster))),
+    }
+    if cluster.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": cluster.lowest, "max_replicas": cluster.highest, "initial_replicas": cluster.replicas,
+            "upscale_delay_s": cluster.upscale_delay_s, "downscale_delay_s": cluster.downscale_delay_s,
+            "policy": {"policy_function": "cloudd.cluster.autoscaling:FleetAutoscaling",
+                       "policy_kwargs": {"target_queue_depth": cluster.target_queue_depth,
+                                         "target_kv_usage": cluster.target_kv_usage}},
+        }
+    else:
+        options["num_replicas"] = cluster.replicas
+    threads = max(1, round(cluster.num_cpus_per_replica))
+    app = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(serve_args, threads)
+    return serve.run(app, name=APP_NAME, route_prefix=None)
+
+
+def serve_cluster(cluster: ClusterConfig, serve_args: dict, model_path, ports: dict[str, int | None],
+                  serve_config) -> int:
+    """``serve_config``: cloudd's ``[serve]`` table (the front's ports and HTTP limits)."""
+    from cloudd.cluster.front import ClusterFront, FrontConfig
+    from cloudd.http_api import ApiContext, make_http_server
+    from cloudd.metrics import ServerMetrics
+    from shared.model.checkpoint import load_tokenizer
+    from shared.transport.client import FleetClient
+
+    serve_config = dataclasses.replace(serve_config, **{k: v for k, v in ports.items() if v is not None})
+    if serve_config.curve_secret_key or serve_config.http_api_keys:
+        raise ValueError("cloudd cluster serves loopback only for now: CURVE keys and HTTP API keys are "
+                         "not supported on its front")
+    tokenizer = load_tokenizer(model_path)
+    started_here = start_ray(cluster)
+    try:
+        handle = deploy(cluster, serve_args)
+        front = ClusterFront(handle, APP_NAME, FrontConfig(serve_config.zmq_host, serve_config.zmq_port,
+                                                            serve_config.result_ttl_s, cluster.resume_retries),
+                             model_name=model_path.stem)
+        client = FleetClient(front.endpoint)
+        http = make_http_server(serve_config.http_host, serve_config.http_port,
+                                ApiContext(client, tokenizer, ServerMetrics(serve_config.max_robot_labels),
+                                           model_path.stem),
+                                timeout_s=serve_config.http_timeout_s, max_connections=serve_config.http_max_connections)
+        threading.Thread(target=http.serve_forever, name="http", daemon=True).start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: front.stop())
+        host, port = http.server_address[:2]
+        print(f"cloudd cluster ready: zmq={front.endpoint} http=http://{host}:{port} replicas={cluster.replicas} "
+              f"router={cluster.router} ray={'local' if started_here else cluster.address}", flush=True)
+        try:
+            front.serve_forever(serve_config.shutdown_grace_s)
+        finally:
+            http.shutdown()
+            client.close()
+    finally:
+        stop_ray(started_here)
+    print("cloudd cluster: stopped", flush=True)
+    return 0
