@@ -3,8 +3,10 @@
 Policies (``[cluster] router``):
 
 - ``fleet``: the replica whose served pages match the request's prompt furthest (its scene and
-  history are in that replica's radix cache); among equal matches the robot's previous replica,
-  else the least loaded. When in-flight counts are imbalanced past both thresholds (the busiest
+  history are in that replica's radix cache), counting only pages that robot alone has sent: a
+  prefix the whole fleet shares (the system prompt) is soon cached on every replica and says
+  nothing of where a robot belongs, and counted it would pull every new robot to the first
+  replica. Among equal matches the robot's previous replica, else the least loaded. When in-flight counts are imbalanced past both thresholds (the busiest
   has ``imbalance_abs`` more than the idlest and ``imbalance_rel`` times as many), the least
   loaded replica instead, as SGLang's cache-aware router does. ``safety`` requests go to the
   replica with the fewest requests in flight: the one that can start them first.
@@ -24,12 +26,13 @@ import bisect
 import hashlib
 import math
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from cloudd.cluster.prefix_pages import ReplicaPages
 
 RING_POINTS = 64
+SHARED = "\x00shared"  # a page owner: more than one robot sent it
 ANY_REPLICA = "*"  # RouteHint.target: a control call any replica may answer
 # The routers living in this process, by Serve application: the front reads their decisions and
 # where each request went. (Ray builds a router inside each process that holds a handle, from a
@@ -53,7 +56,7 @@ class ReplicaState:
     pages: ReplicaPages
     in_flight: int = 0
     routed: int = 0  # requests sent to it
-    prefix_hits: int = 0  # ... of which it had served a page of the prompt beyond the shared ones
+    prefix_hits: int = 0  # ... of which it had served a page of the prompt that only that robot sends
     hit_pages: int = 0
 
 
@@ -76,8 +79,10 @@ class FleetRouting:
     decisions: Counter = field(default_factory=Counter)  # reason -> requests
     moves: int = 0  # a robot's request sent to another replica than its previous one
     placed: dict[str, str] = field(default_factory=dict)  # request id -> replica, while in flight
+    page_owner: OrderedDict = field(default_factory=OrderedDict)  # page -> its one robot, or SHARED (LRU)
     lock: threading.RLock = field(default_factory=threading.RLock)  # Ray's router thread and the front's
     _intent: dict[str, tuple[str, str]] = field(default_factory=dict)  # request id -> (replica, reason)
+    _intended: Counter = field(default_factory=Counter)  # replica -> requests ranked for it, not yet routed
     _in_flight: dict[str, tuple[str, str]] = field(default_factory=dict)  # Ray's request id -> (replica, ours)
 
     # --- replicas ----------------------------------------------------------------------------
@@ -109,12 +114,24 @@ class FleetRouting:
                 chosen, reason = self._by_hash(candidates, hint), "hash"
             else:
                 chosen, reason = self._by_fleet(candidates, hint)
-            self._intent[hint.request_id] = (chosen, reason)
+            self._chosen(hint.request_id, (chosen, reason))
             rest = sorted((c for c in candidates if c != chosen), key=self._load)
             return [[chosen]] + [[c] for c in rest]
 
+    def _chosen(self, request_id: str, intent: tuple[str, str] | None) -> tuple[str, str] | None:
+        """Record (or, None, drop) where ``request_id`` is meant to go; returns the previous
+        intent. Ray ranks a burst of requests before the first is routed: an intended replica
+        counts as loaded already, or the whole burst would go to one."""
+        previous = self._intent.pop(request_id, None)
+        if previous is not None:
+            self._intended[previous[0]] -= 1
+        if intent is not None:
+            self._intent[request_id] = intent
+            self._intended[intent[0]] += 1
+        return previous
+
     def _load(self, replica: str) -> int:
-        return self.replicas[replica].in_flight
+        return self.replicas[replica].in_flight + self._intended[replica]
 
     def _least_loaded(self, candidates: list[str]) -> str:
         return min(candidates, key=lambda c: (self._load(c), c))
@@ -125,7 +142,7 @@ class FleetRouting:
         loads = [self._load(c) for c in candidates]
         if max(loads) - min(loads) > self.config.imbalance_abs and max(loads) > self.config.imbalance_rel * min(loads):
             return self._least_loaded(candidates), "imbalance"
-        matches = {c: self.replicas[c].pages.match(hint.pages) for c in candidates}
+        matches = {c: self._own_pages(hint, self.replicas[c].pages.match(hint.pages)) for c in candidates}
         best = max(matches.values())
         tied = [c for c in candidates if matches[c] == best]
         if len(tied) == 1:
@@ -134,6 +151,18 @@ class FleetRouting:
         if hint.robot_id and previous in tied:
             return previous, "robot"
         return self._least_loaded(tied), "new"
+
+    def _own_pages(self, hint: RouteHint, n: int) -> int:
+        """Of the request's first ``n`` pages, those only its robot has sent."""
+        return sum(1 for key in hint.pages[:n] if self.page_owner.get(key) == hint.robot_id)
+
+    def _note_owner(self, keys: tuple[bytes, ...], robot: str) -> None:
+        for key in keys:
+            owner = self.page_owner.get(key)
+            self.page_owner[key] = robot if owner in (None, robot) else SHARED
+            self.page_owner.move_to_end(key)
+        while len(self.page_owner) > 4 * self.config.pages_per_replica:
+            self.page_owner.popitem(last=False)
 
     def _by_hash(self, candidates: list[str], hint: RouteHint) -> str:
         ring = sorted((_point(f"{c}#{i}"), c) for c in candidates for i in range(RING_POINTS))
@@ -155,13 +184,13 @@ class FleetRouting:
             state.routed += 1
             self._in_flight[internal_id] = (replica, hint.request_id)
             self.placed[hint.request_id] = replica
-            shared = min((r.pages.match(hint.pages) for r in self.replicas.values()), default=0)
-            hit = state.pages.match(hint.pages)
-            if hit > shared:
+            hit = self._own_pages(hint, state.pages.match(hint.pages))
+            if hit:
                 state.prefix_hits += 1
                 state.hit_pages += hit
             state.pages.insert(hint.pages)
-            intended, reason = self._intent.pop(hint.request_id, (replica, self.config.policy))
+            self._note_owner(hint.pages, hint.robot_id)
+            intended, reason = self._chosen(hint.request_id, None) or (replica, self.config.policy)
             self.decisions[reason if intended == replica else "spill"] += 1
             if hint.robot_id:
                 previous = self.last_replica.get(hint.robot_id)

@@ -1,0 +1,37 @@
+"""`cloudd cluster serve` for real: a local Ray instance with 2 replicas of the default model, in
+a network namespace that has only loopback (every Serve replica listens on all interfaces; no
+setting moves it). The cases live in ``cases_in_netns.py``; this test runs them there with
+``unshare -n`` (CI runs as root), and Ray missing is checked here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cloudd.cluster import ray_runtime
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_cluster_cases_pass_in_a_loopback_only_namespace():
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a loopback-only network namespace (CI has both)")
+    inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider {HERE / 'cases_in_netns.py'}"
+    done = subprocess.run(["unshare", "-n", "sh", "-c", inner], capture_output=True, text=True, timeout=600,
+                          cwd=HERE.parents[1])
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def test_without_ray_the_cluster_says_how_to_install_it(monkeypatch, capsys, default_model_path):
+    from cloudd.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(ray_runtime.ClusterUnavailable, match=r"pip install -e '\.\[cluster\]'"):
+        ray_runtime.import_ray()
+    assert main(["cluster", "serve", "--model", str(default_model_path)]) == 2
+    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
