@@ -13,7 +13,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export GOMP_SPINCOUNT ?= 10000
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model kernels demo test bench bench-serve soak gpu-check clean
+.PHONY: setup model kernels demo test bench bench-serve bench-cluster soak gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,14 @@ bench: model kernels
 # (about 15 min). The servers are stopped even if the bench fails.
 bench-serve: model kernels
 	.ci/bench-serve.sh $(VENV)
+
+# cloudd cluster's routers side by side (2 replicas under fleet, hash and Ray's pow2, then one
+# replica on the same requests; about 20 minutes on 2 cores), in a network namespace that has only
+# loopback (root: every Serve replica listens on all interfaces); JSON into bench-cluster.json.
+bench-cluster: model kernels
+	unshare -n sh -c 'ip link set lo up && exec $(PY) -m cloudd bench --cluster --replicas 2 \
+	  --router fleet,hash,pow2 --trace ../shared/workloads/fleet-1024.jsonl --limit 512 --output-len 16 \
+	  --no-compile --json' > bench-cluster.json
 
 # Reliability: real cloudd and edged (CURVE on, loopback only) fuzzed with a million frames each
 # and cloudd's HTTP API with malformed, half-sent and idle requests, then eight faults with plans

@@ -10,8 +10,10 @@ set_openmp_wait_defaults()  # NOTE: before torch loads
 keep_freed_memory_in_process()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
@@ -99,6 +101,8 @@ def _model_path(args) -> Path:
 def cmd_bench(args) -> int:
     if args.serve:
         return _cmd_serve_bench(args)
+    if args.cluster:
+        return _cmd_cluster_bench(args)
     from cloudd.bench import BenchOptions, run_bench
 
     opts = BenchOptions(
@@ -121,6 +125,46 @@ def cmd_bench(args) -> int:
     result = run_bench(opts)
     if args.json:
         print(json.dumps(result))
+    return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Everything written to stdout meanwhile (Python's and the file descriptor's) goes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _cmd_cluster_bench(args) -> int:
+    """`bench --cluster`: the report blocks go to stderr; stdout gets the JSON (--json) or a summary."""
+    from cloudd.cluster.bench import ClusterBenchOptions, run_cluster_bench
+    from cloudd.cluster.config import ClusterConfig
+    from shared.config import load_section
+
+    if args.baseline:
+        raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
+    cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
+    cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
+    serve_args = {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": _model_path(args), "zmq_port": 0,
+                  "http_port": 0, "policy": "fleet"}
+    opts = ClusterBenchOptions(args.trace, cluster, args.router, serve_args, args.output_len, args.limit,
+                               args.rate_scale)
+    with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
+        result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for router, r in result["runs"].items():
+            print(f"{router}: prefix hit {r['prefix_hit_rate']:.3f}, {r['output_tok_s']:.1f} output tok/s")
+        print(f"one replica: prefix hit {result['single_replica_prefix_hit_rate']:.3f}")
     return 0
 
 
@@ -371,7 +415,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
                             "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")
     bench.add_argument("--rate-scale", type=float, default=1.0,
-                       help="with --serve: arrival-rate multiplier (2: requests come twice as fast)")
+                       help="with --serve or --cluster: arrival-rate multiplier (2: requests come twice as fast)")
+    bench.add_argument("--cluster", action="store_true",
+                       help="replay through cloudd cluster replicas under each --router, and through one replica "
+                            "(Ray; run inside `unshare -n`: make bench-cluster); uses --trace, --limit, --output-len, "
+                            "--rate-scale, --config's [cluster]")
+    bench.add_argument("--replicas", type=int, help="with --cluster: replicas per run (default [cluster] replicas)")
+    bench.add_argument("--router", type=comma_list(("fleet", "hash", "pow2")), default=("fleet", "pow2"),
+                       help="with --cluster: router variants, comma list (fleet,hash,pow2)")
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 

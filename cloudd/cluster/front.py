@@ -265,13 +265,20 @@ class ClusterFront:
         return ROUTERS.get(self.app_name)
 
     async def _on_stats(self, identity: bytes) -> None:
-        if self.routing is None:  # no request yet: one call makes the handle build its router
-            await self.handle.options(method_name="stats").remote(RouteHint("stats", target=ANY_REPLICA))
+        """Every replica's snapshot, merged. The first comes from any replica: that call also
+        makes this handle build its router (Ray builds it on first use), whose replica list
+        names the others."""
+        stats = self.handle.options(method_name="stats")
+        try:
+            snapshots = [await asyncio.wait_for(stats.remote(RouteHint("stats", target=ANY_REPLICA)), STATS_TIMEOUT_S)]
+        except Exception as e:
+            log.warning("stats: no replica answered: %s", type(e).__name__)
+            self._send(identity, Error(ErrorCode.UNAVAILABLE, f"no replica answered the stats query ({type(e).__name__})"))
+            return
         routing = self.routing
-        replicas = list(routing.snapshot()["replicas"])
-        calls = [self.handle.options(method_name="stats").remote(RouteHint("stats", target=r)) for r in replicas]
-        snapshots = []
-        for replica, call in zip(replicas, calls, strict=True):
+        others = [r for r in routing.snapshot()["replicas"] if r != snapshots[0]["replica"]]
+        calls = [stats.remote(RouteHint("stats", target=r)) for r in others]
+        for replica, call in zip(others, calls, strict=True):
             try:
                 snapshots.append(await asyncio.wait_for(call, STATS_TIMEOUT_S))
             except Exception as e:  # a replica restarting: the others still answer

@@ -1,6 +1,7 @@
 """`cloudd cluster serve` for real: a local Ray instance with 2 replicas of the default model, in
 a network namespace that has only loopback (every Serve replica listens on all interfaces; no
-setting moves it). The cases live in ``cases_in_netns.py``; this test runs them there with
+setting moves it). The cases live in ``cases_in_netns.py`` (and ``cloudd bench --cluster``'s in
+``bench_cases_in_netns.py``); this test runs them there with
 ``unshare -n`` (CI runs as root), and Ray missing is checked here."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ HERE = Path(__file__).resolve().parent
 def test_the_cluster_cases_pass_in_a_loopback_only_namespace():
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) for a loopback-only network namespace (CI has both)")
-    inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider {HERE / 'cases_in_netns.py'}"
+    cases = " ".join(str(HERE / name) for name in ("cases_in_netns.py", "bench_cases_in_netns.py"))
+    inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider {cases}"
     done = subprocess.run(["unshare", "-n", "sh", "-c", inner], capture_output=True, text=True, timeout=600,
                           cwd=HERE.parents[1])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
