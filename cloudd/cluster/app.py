@@ -23,8 +23,10 @@ def routing_config(cluster: ClusterConfig) -> RoutingConfig:
                          pages_per_replica=cluster.prefix_pages_per_replica)
 
 
-def deploy(cluster: ClusterConfig, serve_args: dict):
-    """Run the replicas (Ray must be up); returns their deployment handle once all are ready."""
+def deploy(cluster: ClusterConfig, serve_args: dict, app_name: str = APP_NAME):
+    """Run the replicas as Serve application ``app_name`` (Ray must be up); returns their
+    deployment handle once all are ready. A process keeps one router per application: a
+    redeployment with another ``router`` needs another name."""
     _, serve = import_ray()
     from ray.serve.config import RequestRouterConfig
 
@@ -52,7 +54,7 @@ def deploy(cluster: ClusterConfig, serve_args: dict):
         options["num_replicas"] = cluster.replicas
     threads = max(1, round(cluster.num_cpus_per_replica))
     app = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(serve_args, threads)
-    return serve.run(app, name=APP_NAME, route_prefix=None)
+    return serve.run(app, name=app_name, route_prefix=None)
 
 
 def serve_cluster(cluster: ClusterConfig, serve_args: dict, model_path, ports: dict[str, int | None],

@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from cloudd.cluster.app import APP_NAME, deploy
+from cloudd.cluster.app import deploy
 from cloudd.cluster.config import ClusterConfig
 from cloudd.cluster.front import ClusterFront, FrontConfig
 from cloudd.cluster.ray_runtime import import_ray, start_ray, stop_ray
@@ -53,7 +53,8 @@ def run_cluster_bench(opts: ClusterBenchOptions, log: Log) -> dict:
               "single_replica_prefix_hit_rate": single["prefix_hit_rate"]}
     for router, r in runs.items():
         log(f"{router}: prefix hit {r['prefix_hit_rate']:.3f} ({r['prefix_hit_rate'] - single['prefix_hit_rate']:+.3f}"
-            f" vs one replica), {r['output_tok_s']:.1f} output tok/s, router {r['router']}")
+            f" vs one replica), {r['output_tok_s']:.1f} output tok/s, decisions {r['router']['decisions']}, "
+            f"robots moved {r['router']['moves']}")
     return result
 
 
@@ -62,8 +63,9 @@ def _one_run(cluster: ClusterConfig, opts: ClusterBenchOptions, requests, log: L
     _, serve = import_ray()
     name = f"{cluster.replicas} replicas, router {cluster.router}" if cluster.replicas > 1 else "1 replica"
     log(f"{name}: starting")
-    handle = deploy(cluster, opts.serve_args)
-    front = ClusterFront(handle, APP_NAME, FrontConfig(zmq_port=0), model_name="bench")
+    app_name = f"bench-{cluster.replicas}-{cluster.router}"  # NOTE: Ray keeps a process's router per application
+    handle = deploy(cluster, opts.serve_args, app_name)
+    front = ClusterFront(handle, app_name, FrontConfig(zmq_port=0), model_name="bench")
     thread = threading.Thread(target=front.serve_forever, name="cluster-front", daemon=True)
     thread.start()
     try:
@@ -76,4 +78,4 @@ def _one_run(cluster: ClusterConfig, opts: ClusterBenchOptions, requests, log: L
     finally:
         front.stop()
         thread.join()
-        serve.delete(APP_NAME)
+        serve.delete(app_name)

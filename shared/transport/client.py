@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 import zmq.utils.monitor
@@ -55,12 +55,14 @@ class RequestInFlight(ValueError):
 class Call:
     """One request in flight: its replies arrive on ``events``; it ends with a result or error."""
 
-    def __init__(self, request: Generate | None, request_id: str):
+    def __init__(self, request: Generate | None, request_id: str, notify: Callable[[], None] | None = None):
+        """``notify``: called (on the client's I/O thread) after each reply is queued."""
         self.request = request
         self.request_id = request_id
         self.next_seq = request.resume_from if request is not None else 0
         self.done = threading.Event()
         self._queue: queue.Queue[Reply] = queue.Queue()
+        self._notify = notify
 
     def _deliver(self, reply: Reply) -> bool:
         """Queue a reply unless it is a duplicate; True if it ended the call."""
@@ -71,10 +73,12 @@ class Call:
                 return False  # a resent chunk we already have (or a gap we will get resent)
             self.next_seq += 1
         self._queue.put(reply)
-        if isinstance(reply, Result | Error):
+        ended = isinstance(reply, Result | Error)
+        if ended:
             self.done.set()
-            return True
-        return False
+        if self._notify is not None:
+            self._notify()
+        return ended
 
     def events(self, timeout_s: float | None = None) -> Iterator[Reply]:
         """Chunks as they come, then the result or error. ``timeout_s`` bounds each wait; on
@@ -88,14 +92,11 @@ class Call:
             if isinstance(reply, Result | Error):
                 return
 
-    def next_replies(self, timeout_s: float | None = None) -> list[Reply]:
-        """The next reply (waiting up to ``timeout_s``, else ``TimeoutError``) and every one
-        already queued behind it: a relay forwards a step's replies together."""
-        try:
-            replies = [self._queue.get(timeout=timeout_s)]
-        except queue.Empty:
-            raise TimeoutError(f"no reply for {self.request_id!r} within {timeout_s} s") from None
-        while not isinstance(replies[-1], Result | Error):
+    def ready_replies(self) -> list[Reply]:
+        """Every reply queued now, without waiting (a relay woken by ``notify`` forwards a
+        step's replies together); it ends with the result or error once that has come."""
+        replies: list[Reply] = []
+        while not (replies and isinstance(replies[-1], Result | Error)):
             try:
                 replies.append(self._queue.get_nowait())
             except queue.Empty:
@@ -145,16 +146,16 @@ class FleetClient:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def start(self, request: Generate) -> Call:
-        """Send ``request`` and return its call. Raises ValueError when the request cannot be
-        encoded and ``RequestInFlight`` when this client has a call under its id in flight;
-        either way nothing is sent."""
+    def start(self, request: Generate, notify: Callable[[], None] | None = None) -> Call:
+        """Send ``request`` and return its call (``notify``: see ``Call``). Raises ValueError
+        when the request cannot be encoded and ``RequestInFlight`` when this client has a call
+        under its id in flight; either way nothing is sent."""
         payload = encode(request)
         with self._calls_lock:
             call = self._calls.get(request.request_id)
             if call is not None and not call.done.is_set():
                 raise RequestInFlight(f"request_id {request.request_id!r} is already in flight on this client")
-            call = Call(request, request.request_id)
+            call = Call(request, request.request_id, notify)
             self._calls[request.request_id] = call
         self._send_payload(payload)
         return call

@@ -209,6 +209,24 @@ def test_a_retry_attaches_to_the_running_request_and_it_runs_once(server):
     a.close(), b.close()
 
 
+def test_a_request_resumed_after_delivered_tokens_continues_them(server):
+    """What a cluster front sends when a replica dies: the same request with the tokens its
+    client already has; the chunks and result carry what follows, usage counts them all."""
+    expected = greedy_reference(MODEL, list(PROMPT), 8)
+    woken = threading.Event()
+    with FleetClient(server.endpoint) as client:
+        call = client.start(gen("resumed", max_tokens=8, stream=True, resume_token_ids=tuple(expected[:3])),
+                            notify=woken.set)
+        replies = []
+        while not (replies and isinstance(replies[-1], Result)):
+            assert woken.wait(30)
+            woken.clear()
+            replies += call.ready_replies()
+    *chunks, result = replies
+    assert [t for c in chunks for t in c.token_ids] == list(result.token_ids) == expected[3:]
+    assert result.usage.completion_tokens == 8 and result.finish_reason == "length"
+
+
 def test_another_request_under_a_used_id_is_refused(peer):
     peer.send(gen("taken", max_tokens=2))
     peer.until_result()

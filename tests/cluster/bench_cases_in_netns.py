@@ -26,4 +26,6 @@ def test_cluster_bench_reports_each_router_and_one_replica(tmp_path, capsys):
     for run in [*result["runs"].values(), result["single_replica"]]:
         assert RUN_KEYS <= set(run) and run["requests"] == 8 and not run["errors"]
     assert 0 < result["single_replica_prefix_hit_rate"] == result["single_replica"]["prefix_hit_rate"] <= 1
-    assert sum(r["routed"] for r in result["runs"]["fleet"]["router"]["replicas"].values()) == 8
+    for name, run in result["runs"].items():  # each run's own router, counting only its requests
+        assert run["router"]["policy"] == name
+        assert sum(r["routed"] for r in run["router"]["replicas"].values()) == 8

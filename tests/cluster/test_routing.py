@@ -59,11 +59,15 @@ def test_an_imbalanced_fleet_falls_back_to_the_least_loaded_replica():
 
 
 def test_safety_goes_to_the_replica_that_can_start_it_first():
+    """It preempts wherever it lands: first where the least of its prompt is left to compute."""
     router = FleetRouting(RoutingConfig())
     router.set_replicas(REPLICAS)
     text = "the same scene " * 20
     home = send(router, hint("p0", "r", text), done=False)
-    assert send(router, hint("s0", "r", text, priority="safety"), done=False) != home
+    assert send(router, hint("s0", "r", text + "stop now", priority="safety"), done=False) == home
+    newcomer = send(router, hint("s1", "new", "another scene " * 20, priority="safety"), done=False)
+    assert newcomer != home  # nothing cached anywhere: the least loaded
+    assert router.snapshot()["decisions"]["safety"] == 2 and router.moves == 0
 
 
 def test_targets_reach_one_replica_or_any_and_are_not_counted():
