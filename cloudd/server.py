@@ -57,7 +57,7 @@ from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.loopback import is_loopback
 from shared.transport.mailbox import Mailbox
 from shared.transport.preparing import Admitting, Preparer
-from shared.transport.router import incoming, router_socket, send_nowait
+from shared.transport.router import incoming, relay_replies, router_socket, send_nowait, thread_pipe
 
 log = logging.getLogger(__name__)
 # A generate frame up to this size is prepared on the engine's thread: at most about a millisecond
@@ -156,20 +156,8 @@ class CloudServer:
         self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
         self.socket.bind(self.inproc_endpoint)
         self.endpoint = self._bind_tcp()
-        self._front_pipe, self._engine_pipe = self._pipe()
+        self._front_pipe, self._engine_pipe = thread_pipe(self.context, f"cloudd-pipe-{id(self):x}")
         self._front_done = threading.Event()
-
-    def _pipe(self) -> tuple[zmq.Socket, zmq.Socket]:
-        """Two connected PAIR sockets, unbounded so neither thread ever blocks on the other."""
-        front, engine = self.context.socket(zmq.PAIR), self.context.socket(zmq.PAIR)
-        for sock in (front, engine):
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-        address = f"inproc://cloudd-pipe-{id(self):x}"
-        front.bind(address)
-        engine.connect(address)
-        return front, engine
 
     def _bind_tcp(self) -> str:
         c = self.config
@@ -235,23 +223,15 @@ class CloudServer:
             while not self._front_done.is_set():
                 events = dict(poller.poll(100))
                 if self._front_pipe in events:
-                    self._relay_replies()
+                    relay_replies(self._front_pipe, self.socket)
                 if self.socket in events:
                     self._triage()
-            self._relay_replies()  # the engine's last words
+            relay_replies(self._front_pipe, self.socket)  # the engine's last words
         finally:
             self._front_pipe.close()
             self.socket.close()
             if self.curve is not None:
                 self.curve.stop()
-
-    def _relay_replies(self) -> None:
-        while True:
-            try:
-                identity, payload = self._front_pipe.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._send_now(identity, payload)
 
     def _triage(self) -> None:
         """Read waiting client messages: answer bad ones and health here, pass the rest on."""

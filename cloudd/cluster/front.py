@@ -8,7 +8,8 @@ replica; the replica streams its replies back a step at a time and the front rel
 numbering the chunks itself.
 
 A replica that dies mid-request (``RayActorError``: its process is gone or unreachable) loses
-nothing: the front sends the request again, same id, to another replica with
+nothing: the front sends the request again (under a resumption id of its own, so that a replica
+that was only unreachable cannot rejoin it to the first execution) to another replica with
 ``resume_token_ids`` = the tokens its client already has, so generation continues where it
 stopped (the prompt and those tokens are recomputed there) and every token reaches the client
 once. Ray restarts the dead replica after its health check. A request resumed more than
@@ -35,9 +36,10 @@ from cloudd.cluster.cluster_stats import merge_snapshots
 from cloudd.cluster.prefix_pages import page_keys, routing_text
 from cloudd.cluster.routing import ANY_REPLICA, ROUTERS, FleetRouting, RouteHint
 from shared.protocol.codec import decode, encode
-from shared.protocol.messages import Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Stats
+from shared.protocol.messages import (MAX_REQUEST_ID_CHARS, Cancel, Chunk, Error, ErrorCode, Generate, Health, Message,
+                                     Result, Stats)
 from shared.transport.ledger import LedgerEntry, RequestLedger
-from shared.transport.router import incoming, router_socket, send_nowait
+from shared.transport.router import incoming, relay_replies, router_socket, send_nowait, thread_pipe
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0
@@ -65,6 +67,7 @@ class ClusterFront:
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
         self.resumed = 0  # requests sent again after their replica died
         self._tasks: set[asyncio.Task] = set()
+        self._executions: dict[str, str] = {}  # request id -> the id its current execution runs under
         self._stop = threading.Event()
         self._draining = False
         self.socket = router_socket(self.context)
@@ -74,14 +77,7 @@ class ClusterFront:
             port = config.zmq_port
             self.socket.bind(f"tcp://{config.zmq_host}:{port}")
         self.endpoint = f"tcp://{config.zmq_host}:{port}"
-        address = f"inproc://cluster-front-{id(self):x}"
-        self._replies_in, self._replies_out = self.context.socket(zmq.PAIR), self.context.socket(zmq.PAIR)
-        for sock in (self._replies_in, self._replies_out):
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-        self._replies_in.bind(address)
-        self._replies_out.connect(address)
+        self._replies_in, self._replies_out = thread_pipe(self.context, f"cluster-front-{id(self):x}")
         self._loop = asyncio.new_event_loop()
 
     # --- threads -----------------------------------------------------------------------------
@@ -107,10 +103,10 @@ class ClusterFront:
                     break
                 events = dict(poller.poll(100))
                 if self._replies_in in events:
-                    self._relay_replies()
+                    relay_replies(self._replies_in, self.socket)
                 if self.socket in events:
                     self._triage()
-            self._relay_replies()
+            relay_replies(self._replies_in, self.socket)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             dispatch.join(timeout=5)
@@ -129,14 +125,6 @@ class ClusterFront:
                 send_nowait(self.socket, identity, encode(Health(self.health())))
             else:
                 self._loop.call_soon_threadsafe(self._handle, identity, msg)
-
-    def _relay_replies(self) -> None:
-        while True:
-            try:
-                identity, payload = self._replies_in.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            send_nowait(self.socket, identity, payload)
 
     def _send(self, identity: bytes, msg: Message) -> None:
         """Dispatch thread: a reply for the socket thread to send."""
@@ -179,6 +167,12 @@ class ClusterFront:
         self._spawn(self._run(msg, entry))
 
     async def _run(self, msg: Generate, entry: LedgerEntry) -> None:
+        try:
+            await self._serve(msg, entry)
+        finally:
+            self._executions.pop(msg.request_id, None)
+
+    async def _serve(self, msg: Generate, entry: LedgerEntry) -> None:
         """Serve ``msg`` on a replica, and again after the last token relayed on another while
         replicas die."""
         import ray.exceptions
@@ -190,7 +184,11 @@ class ClusterFront:
             deadline_ms = msg.deadline_ms
             if deadline_ms is not None:  # what is left of it
                 deadline_ms = max(1, deadline_ms - int((time.monotonic() - received) * 1000))
-            sent = dataclasses.replace(msg, stream=True, resume_from=0, deadline_ms=deadline_ms,
+            # NOTE: a resumption runs under an id of its own: a replica that was only unreachable
+            # may still hold the first execution, which the same id would rejoin from its start
+            execution = msg.request_id if attempt == 0 else f"{msg.request_id[:MAX_REQUEST_ID_CHARS - 12]}~resume{attempt}"
+            self._executions[msg.request_id] = execution
+            sent = dataclasses.replace(msg, request_id=execution, stream=True, resume_from=0, deadline_ms=deadline_ms,
                                        resume_token_ids=tuple(entry.token_ids))
             try:
                 async for batch in self.handle.options(method_name="generate", stream=True).remote(hint, encode(sent)):
@@ -214,23 +212,25 @@ class ClusterFront:
                                                 msg.request_id))
 
     def _relay(self, request_id: str, entry: LedgerEntry, reply: Message) -> None:
-        """A replica's reply: a chunk numbered in the front's sequence, the result with the
-        whole output (a resumed replica's holds only what it added), an error as it is."""
+        """A replica's reply, under the request's own id: a chunk numbered in the front's
+        sequence, the result with the whole output (a resumed replica's holds only what it
+        added), an error as it is."""
         if isinstance(reply, Chunk):
             entry.text.append(reply.text)
             entry.token_ids.extend(reply.token_ids)
             if entry.stream:
-                chunk = dataclasses.replace(reply, seq=entry.next_seq)
+                chunk = dataclasses.replace(reply, request_id=request_id, seq=entry.next_seq)
                 entry.chunks.append(chunk)
                 for identity in entry.subscribers:
                     self._send(identity, chunk)
         elif isinstance(reply, Result):
-            result = dataclasses.replace(reply, text="".join(entry.text), token_ids=tuple(entry.token_ids))
+            result = dataclasses.replace(reply, request_id=request_id, text="".join(entry.text),
+                                         token_ids=tuple(entry.token_ids))
             self.ledger.close(request_id, result, time.monotonic())
             for identity in entry.subscribers:
                 self._send(identity, result)
         elif isinstance(reply, Error):
-            self._fail(entry, request_id, reply)
+            self._fail(entry, request_id, dataclasses.replace(reply, request_id=request_id))
 
     def _fail(self, entry: LedgerEntry, request_id: str, error: Error) -> None:
         """Answer a live request with ``error`` and forget it (a retry runs it anew)."""
@@ -255,7 +255,7 @@ class ClusterFront:
             replica = self.routing.replica_of(request_id) if self.routing is not None else None
             if replica is not None:
                 await self.handle.options(method_name="cancel").remote(RouteHint(request_id, target=replica),
-                                                                       request_id)
+                                                                       self._executions.get(request_id, request_id))
                 return
             await asyncio.sleep(0.01)
 

@@ -65,3 +65,27 @@ def send_nowait(socket: zmq.Socket, identity: bytes, payload: bytes) -> None:
         socket.send_multipart([identity, payload], zmq.NOBLOCK)
     except zmq.Again:
         log.warning("dropped a reply to a peer that does not read")
+
+
+def thread_pipe(context: zmq.Context, name: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """Two connected PAIR sockets over ``inproc`` (the first bound, the second connected),
+    unbounded so that neither of the two threads using them ever blocks on the other: how a
+    daemon's worker thread hands replies to the thread that owns its ROUTER socket."""
+    first, second = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    for sock in (first, second):
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+    first.bind(f"inproc://{name}")
+    second.connect(f"inproc://{name}")
+    return first, second
+
+
+def relay_replies(pipe: zmq.Socket, socket: zmq.Socket) -> None:
+    """Send every ``[identity, payload]`` waiting on ``pipe`` out of the ROUTER ``socket``."""
+    while True:
+        try:
+            identity, payload = pipe.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        send_nowait(socket, identity, payload)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,15 @@ def test_the_cluster_cases_pass_in_a_loopback_only_namespace():
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) for a loopback-only network namespace (CI has both)")
     cases = " ".join(str(HERE / name) for name in ("cases_in_netns.py", "bench_cases_in_netns.py"))
-    inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider {cases}"
-    done = subprocess.run(["unshare", "-n", "sh", "-c", inner], capture_output=True, text=True, timeout=600,
-                          cwd=HERE.parents[1])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider -p no:warnings --tb=short {cases}"
+    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", inner], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=HERE.parents[1], start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # Ray's processes too: none outlives the test
+        out, err = proc.communicate()
+    assert proc.returncode == 0, out[-6000:] + err[-3000:]
 
 
 def test_without_ray_the_cluster_says_how_to_install_it(monkeypatch, capsys, default_model_path):
