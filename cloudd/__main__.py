@@ -153,9 +153,7 @@ def _cmd_cluster_bench(args) -> int:
         raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
-    serve_args = {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": _model_path(args), "zmq_port": 0,
-                  "http_port": 0, "policy": "fleet"}
-    opts = ClusterBenchOptions(args.trace, cluster, args.router, serve_args, args.output_len, args.limit,
+    opts = ClusterBenchOptions(args.trace, cluster, args.router, _replica_args(args), args.output_len, args.limit,
                                args.rate_scale)
     with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
         result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -298,6 +296,13 @@ ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "cuda
                "max_num_seqs", "max_batched_tokens")
 
 
+def _replica_args(args) -> dict:
+    """What each cluster replica builds its engine from (``build_serving_engine``'s arguments):
+    this command's engine flags, the model resolved here, the fleet policy, no ports of its own."""
+    return {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": _model_path(args), "zmq_port": 0, "http_port": 0,
+            "policy": "fleet"}
+
+
 def cmd_cluster_serve(args) -> int:
     """`cluster serve`: replicas on Ray Serve behind the fleet router (cloudd.cluster)."""
     import logging
@@ -312,8 +317,7 @@ def cmd_cluster_serve(args) -> int:
     overrides = {"replicas": args.replicas, "router": args.router}
     cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
     serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
-    replica_args = {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": _model_path(args), "zmq_port": 0,
-                    "http_port": 0, "policy": "fleet"}
+    replica_args = _replica_args(args)
     return serve_cluster(cluster, replica_args, replica_args["model"],
                          {"zmq_port": args.zmq_port, "http_port": args.http_port}, serve)
 

@@ -403,13 +403,13 @@ def format_serve_run(r: dict) -> str:
     return "\n".join(lines)
 
 
-def load_requests(opts: ServeBenchOptions) -> list[TraceRequest]:
+def load_requests(trace: Path, limit: int | None) -> list[TraceRequest]:
     """The trace's first ``limit`` requests in arrival order; ValueError for a priority other
     than 0 or 1 (the two classes this bench maps)."""
-    requests = load_trace(opts.trace, opts.limit)
+    requests = load_trace(trace, limit)
     bad = [r.id for r in requests if r.priority not in TRACE_PRIORITY]
     if bad:
-        raise ValueError(f"{opts.trace}: request {bad[0]!r} has a priority other than 0 or 1")
+        raise ValueError(f"{trace}: request {bad[0]!r} has a priority other than 0 or 1")
     return sorted(requests, key=lambda r: r.arrival_s)
 
 
@@ -417,7 +417,7 @@ def run_serve_bench(opts: ServeBenchOptions, log: Log = _stderr, progress: Log =
     """Replay the trace against each URL in turn; returns the §6 object of the one run, or
     ``{"runs": {name: run}}`` for several. ``log`` gets the human-readable blocks, ``progress``
     the run-by-run notes."""
-    requests = load_requests(opts)
+    requests = load_requests(opts.trace, opts.limit)
     reports = []
     for url in opts.urls:
         reports.append(report(opts.trace, run_one(url, requests, opts, progress)))

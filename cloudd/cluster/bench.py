@@ -36,7 +36,7 @@ class ClusterBenchOptions:
 def run_cluster_bench(opts: ClusterBenchOptions, log: Log) -> dict:
     """``{"runs": {router: report}, "single_replica": report, "single_replica_prefix_hit_rate":
     float, "replicas": n}``; each report is ``cloudd bench --serve``'s object."""
-    requests = load_requests(ServeBenchOptions(opts.trace, ("tcp://unused",), opts.rate_scale, opts.limit))
+    requests = load_requests(opts.trace, opts.limit)
     if opts.output_len is not None:
         requests = [dataclasses.replace(r, max_tokens=opts.output_len) for r in requests]
     started_here = start_ray(opts.cluster)
