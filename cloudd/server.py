@@ -413,15 +413,11 @@ class CloudServer:
     def _on_cancel(self, identity: bytes, caller: Caller, msg: Cancel) -> None:
         if self._preparer.cancel(msg.request_id, identity, caller.robot):  # answered (abort) once prepared
             return
-        entry = self.ledger.get(msg.request_id)
-        if entry is None or (caller.robot is not None and entry.robot_id != caller.robot):
-            self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
-            return
-        if entry.result is None:
+        reply = self.ledger.cancel(msg.request_id, identity, caller.robot)
+        if reply is not None:
+            self._send(identity, reply)
+        else:  # the abort's result goes to every subscriber, the canceller among them
             self._publish(self.engine.abort(msg.request_id))
-            if identity in entry.subscribers:
-                return  # the result just went to it
-        self._send(identity, entry.result)
 
     def _publish(self, delta: TokenDelta) -> None:
         entry = self.ledger.live.get(delta.request_id)

@@ -484,15 +484,11 @@ class EdgeServer:
     def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
         if self._preparer.cancel(msg.request_id, identity):  # answered (abort) once it is prepared
             return
-        entry = self.ledger.get(msg.request_id)
-        if entry is None:
-            self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
-            return
-        if entry.result is not None:
-            self._send(identity, entry.result)
-            return
-        entry.subscribe(identity)
-        self._cancel(self.live[msg.request_id])
+        reply = self.ledger.cancel(msg.request_id, identity)
+        if reply is not None:
+            self._send(identity, reply)
+        else:
+            self._cancel(self.live[msg.request_id])
 
     def _cancel(self, req: EdgeRequest) -> None:
         """End ``req`` as cancelled: its local job stops (its result, finish reason ``abort``,

@@ -239,15 +239,11 @@ class ClusterFront:
             self._send(identity, error)
 
     def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
-        entry = self.ledger.get(msg.request_id)
-        if entry is None:
-            self._send(identity, Error(ErrorCode.NOT_FOUND, f"no request {msg.request_id!r}", msg.request_id))
-            return
-        if entry.result is not None:
-            self._send(identity, entry.result)
-            return
-        entry.subscribe(identity)  # the request's end (abort) goes to it
-        self._spawn(self._cancel(msg.request_id))
+        reply = self.ledger.cancel(msg.request_id, identity)
+        if reply is not None:
+            self._send(identity, reply)
+        else:  # the request's end (abort) goes to the canceller too
+            self._spawn(self._cancel(msg.request_id))
 
     async def _cancel(self, request_id: str) -> None:
         """Ask the request's replica to cancel it, once the router has placed it."""

@@ -97,6 +97,20 @@ class RequestLedger:
             self._finished.popitem(last=False)
         return entry
 
+    def cancel(self, request_id: str, identity: bytes, robot: str | None = None) -> Message | None:
+        """A ``cancel`` from ``identity``: the reply to send it now, or None when the request is
+        live, in which case ``identity`` is now a subscriber (the request's end, finish reason
+        ``abort``, goes to it) and the caller stops the request. An unknown id, or one of
+        another robot than ``robot`` (when given), is ``not_found``; a finished request's answer
+        is its kept result."""
+        entry = self.get(request_id)
+        if entry is None or (robot is not None and entry.robot_id != robot):
+            return Error(ErrorCode.NOT_FOUND, f"no request {request_id!r}", request_id)
+        if entry.result is not None:
+            return entry.result
+        entry.subscribe(identity)
+        return None
+
     def discard(self, request_id: str) -> None:
         """Forget a live request that has no result: rejected after ``open``, or failed in the
         engine; a retry with its id runs it anew."""

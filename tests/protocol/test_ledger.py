@@ -25,3 +25,16 @@ def test_a_finished_entry_keeps_the_result_not_the_request():
     assert ledger.get("r1").rejoin(b"other", REQUEST) == [RESULT]
     (refusal,) = ledger.get("r1").rejoin(b"other", dataclasses.replace(REQUEST, tags=("y",)))
     assert isinstance(refusal, Error) and refusal.code is ErrorCode.INVALID_REQUEST
+
+
+def test_a_cancel_is_answered_by_what_the_ledger_knows():
+    """One answer for every daemon's cancel: unknown (or another robot's) ids are not found, a
+    finished request's answer is its kept result, a live one subscribes the canceller."""
+    ledger = RequestLedger()
+    assert ledger.cancel("nobody", b"op").code is ErrorCode.NOT_FOUND
+    entry = ledger.open(dataclasses.replace(REQUEST, robot_id="amr-1"), b"peer")
+    assert ledger.cancel("r1", b"op", robot="amr-2").code is ErrorCode.NOT_FOUND
+    assert ledger.cancel("r1", b"op", robot="amr-1") is None and entry.subscribers == [b"peer", b"op"]
+    assert ledger.cancel("r1", b"op") is None and entry.subscribers == [b"peer", b"op"]  # once
+    ledger.close("r1", RESULT, now=0.0)
+    assert ledger.cancel("r1", b"late") == RESULT and b"late" not in entry.subscribers
