@@ -171,6 +171,8 @@ class ClusterFront:
             await self._serve(msg, entry)
         finally:
             self._executions.pop(msg.request_id, None)
+            if self.routing is not None:  # ranked but never routed: not load any more
+                self.routing.forget(msg.request_id)
 
     async def _serve(self, msg: Generate, entry: LedgerEntry) -> None:
         """Serve ``msg`` on a replica, and again after the last token relayed on another while

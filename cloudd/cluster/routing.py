@@ -208,6 +208,12 @@ class FleetRouting:
             if replica in self.replicas:
                 self.replicas[replica].in_flight -= 1
 
+    def forget(self, request_id: str) -> None:
+        """``request_id`` ended at the front: a replica it was ranked for but never routed to
+        (Ray failed or dropped it before routing) no longer counts it as load."""
+        with self.lock:
+            self._chosen(request_id, None)
+
     def replica_of(self, request_id: str) -> str | None:
         """The replica a request in flight went to."""
         with self.lock:

@@ -146,3 +146,13 @@ def test_a_burst_ranked_before_any_is_routed_still_spreads():
     assert sorted(firsts) == REPLICAS
     router.routed(hint("b0", "robot0", "short"), firsts[1], "ray-b0")  # Ray took another replica
     assert router.snapshot()["decisions"] == {"spill": 1}
+
+
+def test_a_request_ranked_but_never_routed_stops_counting_as_load_once_it_ends():
+    router = FleetRouting(RoutingConfig())
+    router.set_replicas(REPLICAS)
+    (chosen,), *_ = router.rank(REPLICAS, hint("lost", "robot0", "short"))  # Ray dropped it before routing
+    assert router.rank(REPLICAS, hint("probe", "robot1", "short"))[0] != [chosen]  # it counts meanwhile
+    router.forget("probe")
+    router.forget("lost")
+    assert router.rank(REPLICAS, hint("next", "robot2", "short"))[0] == [chosen]  # idle again: first by name
