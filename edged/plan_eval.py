@@ -82,16 +82,14 @@ def load_tasks(path: Path = PLAN_TASKS) -> list[EvalTask]:
 
 
 def _check_patterns(task: EvalTask) -> None:
-    skills = {s.name: s for s in task.skills}
+    skills = {s.name: s.grounded(task.scene) for s in task.skills}  # ValueError: the scene lacks a kind
     for pattern in task.requires:
         skill = skills.get(pattern["skill"])
         if skill is None:
             raise ValueError(f"task {task.id}: unknown skill {pattern['skill']!r}")
-        kinds = {a.name: a.kind for a in skill.args}
+        args = {a.name: a for a in skill.args}
         for name, value in pattern.get("args", {}).items():
-            kind = kinds.get(name, ...)
-            known = task.scene.names(kind) if isinstance(kind, SceneKind) else kind if isinstance(kind, tuple) else None
-            if kind is ... or (known is not None and value not in known):
+            if name not in args or not args[name].accepts(value):
                 raise ValueError(f"task {task.id}: {pattern['skill']}.{name} = {value!r} is not in its scene or skill")
 
 
@@ -101,13 +99,17 @@ def judge(task: EvalTask, text: str, latency_s: float) -> Outcome:
         plan = PlanChecker(task.skills, MAX_STEPS).parse(text)
     except InvalidPlan:
         return Outcome(False, False, False, 0, latency_s)
-    return Outcome(True, _grounded(task, plan), _meets(task.requires, plan), len(plan.steps), latency_s)
+    return Outcome(True, _grounded(task, text), _meets(task.requires, plan), len(plan.steps), latency_s)
 
 
-def _grounded(task: EvalTask, plan: CheckedPlan) -> bool:
-    skills = {s.name: s for s in task.skills}
-    return all(step.args[a.name] in task.scene.names(a.kind)
-               for step in plan.steps for a in skills[step.skill].args if isinstance(a.kind, SceneKind))
+def _grounded(task: EvalTask, text: str) -> bool:
+    """A valid plan is grounded when it also passes the checks of the skills grounded in the
+    task's scene (each scene-kind argument one of the scene's names)."""
+    try:
+        PlanChecker([s.grounded(task.scene) for s in task.skills], MAX_STEPS).parse(text)
+    except InvalidPlan:
+        return False
+    return True
 
 
 def _meets(patterns: Sequence[Mapping[str, Any]], plan: CheckedPlan) -> bool:
