@@ -113,7 +113,8 @@ class FleetRouting:
                 return [[hint.target]] if hint.target in candidates else []
             if self.config.policy == "pow2":
                 return None
-            self.set_replicas(sorted(set(self.replicas) | set(candidates)))
+            if any(c not in self.replicas for c in candidates):  # a replica new to this router
+                self.set_replicas(sorted(set(self.replicas) | set(candidates)))
             if self.config.policy == "hash":
                 chosen, reason = self._by_hash(candidates, hint), "hash"
             else:
@@ -182,7 +183,8 @@ class FleetRouting:
         with self.lock:
             if hint.target is not None:
                 return
-            self.set_replicas(sorted(set(self.replicas) | {replica}))
+            if replica not in self.replicas:
+                self.set_replicas(sorted(set(self.replicas) | {replica}))
             state = self.replicas[replica]
             state.in_flight += 1
             state.routed += 1

@@ -130,7 +130,7 @@ class ModelRunner:
         attention_before = profile.seconds["attention"] if profile is not None else 0.0
         with maybe_phase(profile, "model"):
             rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
-            if meta is None:
+            if graphed:
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.decode_tables,
                                          inputs.decode_lens)
             else:
