@@ -82,7 +82,7 @@ def load_tasks(path: Path = PLAN_TASKS) -> list[EvalTask]:
 
 
 def _check_patterns(task: EvalTask) -> None:
-    skills = {s.name: s.grounded(task.scene) for s in task.skills}  # ValueError: the scene lacks a kind
+    skills = {s.name: s for s in grammar_skills(task, "grounded")}  # ValueError: the scene lacks a kind
     for pattern in task.requires:
         skill = skills.get(pattern["skill"])
         if skill is None:
@@ -106,7 +106,7 @@ def _grounded(task: EvalTask, text: str) -> bool:
     """A valid plan is grounded when it also passes the checks of the skills grounded in the
     task's scene (each scene-kind argument one of the scene's names)."""
     try:
-        PlanChecker([s.grounded(task.scene) for s in task.skills], MAX_STEPS).parse(text)
+        PlanChecker(grammar_skills(task, "grounded"), MAX_STEPS).parse(text)
     except InvalidPlan:
         return False
     return True
