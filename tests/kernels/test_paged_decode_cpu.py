@@ -37,7 +37,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 # 16-key tiles (block_size 32 has two per block, 4 a partial one) and up to 8 heads per pass
 # (group 5 and 8 take two passes at head_dim 64, more at 128).
 @settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), kv_heads=st.sampled_from([1, 2, 3]),
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 12), kv_heads=st.sampled_from([1, 2, 3]),
        group=st.sampled_from([1, 2, 3, 4, 5, 8]), dim=st.sampled_from([8, 16, 32, 64, 128]),
        block_size=st.sampled_from([1, 4, 16, 32]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
@@ -48,12 +48,15 @@ def test_kernel_equals_plain_torch(seed, rows, kv_heads, group, dim, block_size,
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
     q = torch.randn(rows, kv_heads * group, dim).to(dtype)
-    shared = rng.sample(range(1, num_blocks), 3)  # a prefix some rows share
-    lens = [rng.randrange(1, 5 * block_size + 1) for _ in range(rows)]  # partial last blocks too
+    # prefixes rows share, nested as a fleet's are: a system prompt, then two robots' scenes after it
+    ids = rng.sample(range(1, num_blocks), 8)
+    system, scene_a, scene_b = ids[:2], ids[2:5], ids[5:]
+    prefixes = [[], system, system + scene_a, system + scene_b]
+    lens = [rng.randrange(1, 6 * block_size + 1) for _ in range(rows)]  # partial last blocks too
     tables = []
     for n in lens:
         needed = -(-n // block_size)
-        head = shared[:needed] if rng.random() < 0.5 else []
+        head = rng.choice(prefixes)[:needed]
         tables.append(head + rng.sample([b for b in range(1, num_blocks) if b not in head], needed - len(head)))
     width = max(map(len, tables)) + rng.randrange(0, 3)  # padding past a row's blocks is never read
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
