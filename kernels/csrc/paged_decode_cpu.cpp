@@ -207,11 +207,13 @@ struct Bf16DecodeTask {
         keys[t] = t < count ? _mm512_loadu_si512(k_rows + t * stride + c * 32) : _mm512_setzero_si512();
       transpose16x16(keys);  // keys[p]: dimension pair c * 16 + p of every key
       for (int64_t g = h0; g < h1; ++g) {
+        // four independent sums: a row's own blocks have only its group's few heads, and one
+        // chain of 16 dependent dot-product instructions per head left the unit waiting
         const uint32_t* qg = q_pairs[g] + c * 16;
-        __m512 s = scores[g];
+        __m512 s[4] = {scores[g], _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t p = 0; p < 16; ++p)
-          s = _mm512_dpbf16_ps(s, (__m512bh)keys[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[p])));
-        scores[g] = s;
+          s[p % 4] = _mm512_dpbf16_ps(s[p % 4], (__m512bh)keys[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[p])));
+        scores[g] = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
@@ -220,7 +222,8 @@ struct Bf16DecodeTask {
                                           _mm512_set1_ps(scale_));
       const float new_max = std::max(run_max[g], _mm512_reduce_max_ps(s));
       const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-      correction[g] = std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
+      // exp(-inf) = 0 at the start; most tiles leave the maximum as it was (no libm call then)
+      correction[g] = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);
       run_sum[g] = run_sum[g] * correction[g] + _mm512_reduce_add_ps(e);
       run_max[g] = new_max;
       _mm512_store_ps(probs + g * kTile, e);
