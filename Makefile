@@ -7,10 +7,6 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-# OpenMP threads spin briefly between ops, then sleep (the daemons set the same; README: Threads):
-# endless spinning costs 2-5x on a shared CPU, sleeping at once costs every op a wake-up.
-export OMP_WAIT_POLICY ?= PASSIVE
-export GOMP_SPINCOUNT ?= 10000
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup model kernels demo test bench bench-serve bench-cluster soak gpu-check clean
@@ -49,6 +45,10 @@ $(ROS_STAMP): $(STAMP) ros/build_interfaces.sh $(shell find ros/fleetserve_inter
 demo: model kernels ros
 	$(PY) examples/fleet_demo.py
 
+# The test process runs engines itself, beside the daemons it starts: its OpenMP threads spin
+# briefly between ops, then sleep, as edged's do (the daemons choose their own: README, Threads).
+test: export OMP_WAIT_POLICY ?= PASSIVE
+test: export GOMP_SPINCOUNT ?= 10000
 test: model kernels ros
 	$(PY) -m pytest -q
 

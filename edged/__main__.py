@@ -4,10 +4,10 @@ quantization costs against the unquantized model)."""
 
 from __future__ import annotations
 
-from shared.config import (freeze_start_up_heap, keep_freed_memory_in_process, respond_between_steps,
-                           set_openmp_wait_defaults)
+from shared.config import (SHARED_CPU_SPIN_COUNT, freeze_start_up_heap, keep_freed_memory_in_process,
+                           respond_between_steps, set_openmp_wait_defaults)
 
-set_openmp_wait_defaults()  # NOTE: before torch loads
+set_openmp_wait_defaults(SHARED_CPU_SPIN_COUNT)  # NOTE: before torch loads
 keep_freed_memory_in_process()
 
 import argparse  # noqa: E402

@@ -11,9 +11,9 @@ policy (``fleet_autoscaling_policy``) its queue depth and KV usage.
 
 from __future__ import annotations
 
-from shared.config import respond_between_steps, set_openmp_wait_defaults
+from shared.config import SERVER_SPIN_COUNT, respond_between_steps, set_openmp_wait_defaults
 
-set_openmp_wait_defaults()  # NOTE: before torch loads
+set_openmp_wait_defaults(SERVER_SPIN_COUNT)  # NOTE: before torch loads
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
