@@ -54,6 +54,20 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for x <= 0, 8 lanes: exp_nonpositive's polynomial, the power of two built in the exponent.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504f));
+  const __m256 whole = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, whole);
+  __m256 p = _mm256_set1_ps(0.000154035304f);
+  for (float c : {0.00133335581f, 0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FLEETSERVE_LOAD16 1
 // 16 elements as float32 lanes; lanes outside `live` read nothing and hold 0.

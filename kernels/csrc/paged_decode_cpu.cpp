@@ -14,7 +14,8 @@
 // (robots of one type share a system prompt) form one task of up to 16 heads: the shared blocks
 // are read once for all their heads, then each row's own blocks for its g heads. Keys are taken
 // one block at a time: scores for the block's tokens, then one rescale of the running (max, sum,
-// accumulator) per block, flash-decoding style.
+// accumulator) per block, flash-decoding style. The arithmetic is a task type (TaskFor): bf16 on
+// CPUs with AVX-512 BF16, float32 on CPUs with AVX2 and FMA, the portable loops elsewhere.
 
 #include "cpu_kernels.h"
 #include "cpu_math.h"
@@ -279,9 +280,109 @@ struct Bf16DecodeTask {
 
 #endif  // __AVX512BF16__
 
-// The task a (dtype, head_dim) runs: the bf16 one where the CPU has the instructions.
+#if defined(__AVX2__) && defined(__FMA__)
+// The float32 task on CPUs with AVX2 and FMA, 8 keys at a time, a head at a time (the tile's K
+// and V rows stay in L1 for the next head):
+//   q . k   one vector of partial sums per key of the tile, the 8 reduced together into one
+//           vector of 8 scores (a tree of horizontal adds: 9 instructions for the tile, where a
+//           horizontal sum per key took 16 dependent scalar adds);
+//   softmax the 8 scores as one vector;
+//   p . v   each key's probability broadcast into the head's DIM / 8 accumulators.
+template <int64_t DIM>
+struct Fp32DecodeTask {
+  static_assert(DIM % 8 == 0, "the float32 task reads 8 dimensions at a time");
+  static constexpr int64_t kVecs = DIM / 8;
+  static constexpr int64_t kTile = 8;
+  alignas(32) float qf[kMaxHeads * DIM];   // scaled queries
+  alignas(32) float acc[kMaxHeads * DIM];  // running weighted sums of V, per head
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
+
+  void begin(const float* const* queries, int64_t heads, float scale) {
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t j = 0; j < DIM; ++j) qf[g * DIM + j] = queries[g][j] * scale;
+    std::fill(acc, acc + heads * DIM, 0.f);
+    std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
+    std::fill(run_sum, run_sum + heads, 0.f);
+  }
+
+  // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
+  void block(const float* __restrict__ k_block, const float* __restrict__ v_block, int64_t stride, int64_t count,
+             int64_t h0, int64_t h1) {
+    for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+      const int64_t tile = std::min(kTile, count - t0);
+      const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(static_cast<float>(tile)),
+                                         _CMP_LT_OQ);
+      for (int64_t g = h0; g < h1; ++g) {
+        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                          scores(g, k_block + t0 * stride, stride, tile), valid);
+        const float new_max = std::max(run_max[g], horizontal(s, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }));
+        const __m256 e = _mm256_and_ps(valid, exp_nonpositive(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
+        // exp(-inf) = 0 at the start; most tiles leave the maximum as it was (no libm call then)
+        const float correction = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);
+        run_sum[g] = run_sum[g] * correction + horizontal(e, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
+        run_max[g] = new_max;
+        accumulate(g, e, correction, v_block + t0 * stride, stride, tile);
+      }
+    }
+  }
+
+  // Scaled q_g . k_t for the tile's keys, key t in lane t (lanes past `tile` hold a copy of
+  // key 0's score: rows past the tile are never read).
+  __m256 scores(int64_t g, const float* __restrict__ k_rows, int64_t stride, int64_t tile) const {
+    const float* rows[kTile];
+    for (int64_t t = 0; t < kTile; ++t) rows[t] = k_rows + (t < tile ? t : 0) * stride;
+    __m256 a[kTile];
+    for (int64_t t = 0; t < kTile; ++t) a[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < kVecs; ++c) {
+      const __m256 qc = _mm256_load_ps(qf + g * DIM + c * 8);
+      for (int64_t t = 0; t < kTile; ++t) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[t] + c * 8), a[t]);
+    }
+    // hadd pairs lanes within 128-bit halves: after two rounds, half h of h0123 holds keys 0-3's
+    // sums over dimensions 4h .. 4h + 3 of each 8, h4567 keys 4-7's
+    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+  }
+
+  // op (max or add) over the 8 lanes
+  template <typename Op>
+  static float horizontal(__m256 x, Op op) {
+    __m128 h = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = op(h, _mm_movehl_ps(h, h));
+    h = op(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
+
+  // acc[g] = acc[g] * correction + sum_t p_t v_t over the tile's keys
+  void accumulate(int64_t g, __m256 p, float correction, const float* __restrict__ v_rows, int64_t stride,
+                  int64_t tile) {
+    alignas(32) float probs[kTile];
+    _mm256_store_ps(probs, p);
+    __m256 a[kVecs];
+    const __m256 corr = _mm256_set1_ps(correction);
+    for (int64_t j = 0; j < kVecs; ++j) a[j] = _mm256_mul_ps(_mm256_load_ps(acc + g * DIM + j * 8), corr);
+    for (int64_t t = 0; t < tile; ++t) {
+      const __m256 pt = _mm256_set1_ps(probs[t]);
+      for (int64_t j = 0; j < kVecs; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v_rows + t * stride + j * 8), a[j]);
+    }
+    for (int64_t j = 0; j < kVecs; ++j) _mm256_store_ps(acc + g * DIM + j * 8, a[j]);
+  }
+
+  void write(int64_t g, float* __restrict__ out, float* lse) const {
+    const float inv = 1.f / run_sum[g];
+    for (int64_t j = 0; j < DIM; ++j) out[j] = acc[g * DIM + j] * inv;
+    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum[g]);
+  }
+};
+#endif  // __AVX2__ && __FMA__
+
+// The task a (dtype, head_dim) runs: a vector one where the CPU has the instructions.
 template <typename T, int64_t DIM, typename = void>
 struct TaskFor { using type = DecodeTask<T, DIM>; };
+#if defined(__AVX2__) && defined(__FMA__)
+template <int64_t DIM>
+struct TaskFor<float, DIM> { using type = Fp32DecodeTask<DIM>; };
+#endif
 #if defined(__AVX512BF16__)
 template <int64_t DIM>
 struct TaskFor<at::BFloat16, DIM, std::enable_if_t<DIM % 32 == 0>> { using type = Bf16DecodeTask<DIM>; };

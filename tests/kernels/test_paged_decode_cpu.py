@@ -35,7 +35,8 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 # NOTE: bf16 with head_dim a multiple of 32 runs the vector task where the CPU has AVX-512 BF16:
 # 16-key tiles (block_size 32 has two per block, 4 a partial one) and up to 8 heads per pass
-# (group 5 and 8 take two passes at head_dim 64, more at 128).
+# (group 5 and 8 take two passes at head_dim 64, more at 128). float32 runs the AVX2 task where
+# the CPU has AVX2 and FMA: 8-key tiles (block_size 1 and 4 are partial ones).
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 12), kv_heads=st.sampled_from([1, 2, 3]),
        group=st.sampled_from([1, 2, 3, 4, 5, 8]), dim=st.sampled_from([8, 16, 32, 64, 128]),
