@@ -29,12 +29,17 @@ inline float load(const at::BFloat16* p, int64_t j) {
 // expf is a scalar call per score): 2^(x log2 e) as 2^floor times a degree-6 polynomial for the
 // fraction; relative error about 2e-7. Below -87 it returns about 1e-38, not 0: a weight that
 // small vanishes in the float32 sums anyway.
+// The vector forms below compute the same steps with the same constants.
+constexpr float kExpLowest = -87.f;     // the clamp
+constexpr float kLog2E = 1.44269504f;
+constexpr float kExp2Fraction[] = {0.000154035304f, 0.00133335581f, 0.00961812911f, 0.0555041087f,
+                                   0.240226507f,    0.693147182f,   1.f};  // 2^f on [0, 1), Horner order
 inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504f;
+  const float t = std::max(x, kExpLowest) * kLog2E;
   const float whole = std::floor(t);
   const float f = t - whole;
-  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
-                  f * (0.00133335581f + f * 0.000154035304f)))));
+  float p = kExp2Fraction[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExp2Fraction[i];
   const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -44,12 +49,11 @@ inline float exp_nonpositive(float x) {
 #if defined(__AVX512F__)
 // exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial, the power of two applied by scalef.
 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLowest)), _mm512_set1_ps(kLog2E));
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(0.000154035304f);
-  for (float c : {0.00133335581f, 0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  __m512 p = _mm512_set1_ps(kExp2Fraction[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Fraction[i]));
   return _mm512_scalef_ps(p, whole);
 }
 #endif
@@ -57,12 +61,11 @@ inline __m512 exp_nonpositive(__m512 x) {
 #if defined(__AVX2__) && defined(__FMA__)
 // exp(x) for x <= 0, 8 lanes: exp_nonpositive's polynomial, the power of two built in the exponent.
 inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504f));
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLowest)), _mm256_set1_ps(kLog2E));
   const __m256 whole = _mm256_floor_ps(t);
   const __m256 f = _mm256_sub_ps(t, whole);
-  __m256 p = _mm256_set1_ps(0.000154035304f);
-  for (float c : {0.00133335581f, 0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  __m256 p = _mm256_set1_ps(kExp2Fraction[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Fraction[i]));
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }

@@ -58,8 +58,8 @@ struct DecodeTask {
   // Partial sums per dot product: an AVX-512 register's 16 floats where DIM allows.
   static constexpr int64_t kLanes = DIM % 16 == 0 ? 16 : 8;
   static_assert(DIM % kLanes == 0, "head_dim must be a multiple of 8");
-  float qf[kMaxHeads * DIM];      // scaled queries
-  float acc[kMaxHeads * DIM];     // running weighted sums of V
+  alignas(32) float qf[kMaxHeads * DIM];   // scaled queries
+  alignas(32) float acc[kMaxHeads * DIM];  // running weighted sums of V
   float scores[kMaxHeads * 64];   // [head][key of the block], block_size <= 64
   float run_max[kMaxHeads], run_sum[kMaxHeads];
 
@@ -288,22 +288,16 @@ struct Bf16DecodeTask {
 //           horizontal sum per key took 16 dependent scalar adds);
 //   softmax the 8 scores as one vector;
 //   p . v   each key's probability broadcast into the head's DIM / 8 accumulators.
+// Its state, begin() and write() are the portable task's; block() is its own.
 template <int64_t DIM>
-struct Fp32DecodeTask {
+struct Fp32DecodeTask : DecodeTask<float, DIM> {
   static_assert(DIM % 8 == 0, "the float32 task reads 8 dimensions at a time");
   static constexpr int64_t kVecs = DIM / 8;
   static constexpr int64_t kTile = 8;
-  alignas(32) float qf[kMaxHeads * DIM];   // scaled queries
-  alignas(32) float acc[kMaxHeads * DIM];  // running weighted sums of V, per head
-  float run_max[kMaxHeads], run_sum[kMaxHeads];
-
-  void begin(const float* const* queries, int64_t heads, float scale) {
-    for (int64_t g = 0; g < heads; ++g)
-      for (int64_t j = 0; j < DIM; ++j) qf[g * DIM + j] = queries[g][j] * scale;
-    std::fill(acc, acc + heads * DIM, 0.f);
-    std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
-    std::fill(run_sum, run_sum + heads, 0.f);
-  }
+  using DecodeTask<float, DIM>::qf;
+  using DecodeTask<float, DIM>::acc;
+  using DecodeTask<float, DIM>::run_max;
+  using DecodeTask<float, DIM>::run_sum;
 
   // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
   void block(const float* __restrict__ k_block, const float* __restrict__ v_block, int64_t stride, int64_t count,
@@ -366,12 +360,6 @@ struct Fp32DecodeTask {
       for (int64_t j = 0; j < kVecs; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v_rows + t * stride + j * 8), a[j]);
     }
     for (int64_t j = 0; j < kVecs; ++j) _mm256_store_ps(acc + g * DIM + j * 8, a[j]);
-  }
-
-  void write(int64_t g, float* __restrict__ out, float* lse) const {
-    const float inv = 1.f / run_sum[g];
-    for (int64_t j = 0; j < DIM; ++j) out[j] = acc[g * DIM + j] * inv;
-    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum[g]);
   }
 };
 #endif  // __AVX2__ && __FMA__
