@@ -281,61 +281,90 @@ struct Bf16DecodeTask {
 #endif  // __AVX512BF16__
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The float32 task on CPUs with AVX2 and FMA, 8 keys at a time, a head at a time (the tile's K
-// and V rows stay in L1 for the next head):
-//   q . k   one vector of partial sums per key of the tile, the 8 reduced together into one
-//           vector of 8 scores (a tree of horizontal adds: 9 instructions for the tile, where a
-//           horizontal sum per key took 16 dependent scalar adds);
-//   softmax the 8 scores as one vector;
+// The float32 task on CPUs with AVX2 and FMA, a tile of 16 keys (two vectors of scores) at a time:
+//   q . k   one vector of partial sums per key, 8 keys reduced together into one vector of 8
+//           scores (a tree of horizontal adds: 9 instructions, where a horizontal sum per key
+//           took 16 dependent scalar adds);
+//   softmax a head's 16 scores as two vectors;
 //   p . v   each key's probability broadcast into the head's DIM / 8 accumulators.
+// A tile's keys are read by every head of the task: the rows' addresses are taken once per tile,
+// then every head's scores and softmax, then every head's p . v (about 3 % faster than each
+// head's p . v right after its softmax).
+// NOTE: the accumulator loops are unrolled by pragma: left to itself GCC kept p . v's
+// accumulators in a stack array (one store per FMA) and copied it out with memcpy, which made
+// the whole kernel about 1.3x slower.
 // Its state, begin() and write() are the portable task's; block() is its own.
 template <int64_t DIM>
 struct Fp32DecodeTask : DecodeTask<float, DIM> {
   static_assert(DIM % 8 == 0, "the float32 task reads 8 dimensions at a time");
   static constexpr int64_t kVecs = DIM / 8;
-  static constexpr int64_t kTile = 8;
+  static constexpr int64_t kTile = 16;
   using DecodeTask<float, DIM>::qf;
   using DecodeTask<float, DIM>::acc;
   using DecodeTask<float, DIM>::run_max;
   using DecodeTask<float, DIM>::run_sum;
+  alignas(32) float probs[kMaxHeads * kTile];  // the tile's exp(score - max), per head
+  float correction[kMaxHeads];                 // the factor each head's accumulator takes first
 
   // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
   void block(const float* __restrict__ k_block, const float* __restrict__ v_block, int64_t stride, int64_t count,
              int64_t h0, int64_t h1) {
     for (int64_t t0 = 0; t0 < count; t0 += kTile) {
       const int64_t tile = std::min(kTile, count - t0);
-      const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(static_cast<float>(tile)),
-                                         _CMP_LT_OQ);
-      for (int64_t g = h0; g < h1; ++g) {
-        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
-                                          scores(g, k_block + t0 * stride, stride, tile), valid);
-        const float new_max = std::max(run_max[g], horizontal(s, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }));
-        const __m256 e = _mm256_and_ps(valid, exp_nonpositive(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
-        // exp(-inf) = 0 at the start; most tiles leave the maximum as it was (no libm call then)
-        const float correction = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);
-        run_sum[g] = run_sum[g] * correction + horizontal(e, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
-        run_max[g] = new_max;
-        accumulate(g, e, correction, v_block + t0 * stride, stride, tile);
+      const float* k_rows = k_block + t0 * stride;
+      const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 valid_lo = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(tile)), _CMP_LT_OQ);
+      const __m256 valid_hi = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(tile - 8)), _CMP_LT_OQ);
+      const float* lo_rows[8];  // rows past the tile read key 0 again (their lanes are not keys)
+      const float* hi_rows[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        lo_rows[t] = k_rows + (t < tile ? t : 0) * stride;
+        hi_rows[t] = k_rows + (8 + t < tile ? 8 + t : 0) * stride;
       }
+      for (int64_t g = h0; g < h1; ++g) {
+        const __m256 lo = scores(g, lo_rows);
+        const __m256 hi = tile > 8 ? scores(g, hi_rows) : lo;
+        softmax(g, lo, hi, valid_lo, valid_hi);
+      }
+      for (int64_t g = h0; g < h1; ++g) accumulate(g, v_block + t0 * stride, stride, tile);
     }
   }
 
-  // Scaled q_g . k_t for the tile's keys, key t in lane t (lanes past `tile` hold a copy of
-  // key 0's score: rows past the tile are never read).
-  __m256 scores(int64_t g, const float* __restrict__ k_rows, int64_t stride, int64_t tile) const {
-    const float* rows[kTile];
-    for (int64_t t = 0; t < kTile; ++t) rows[t] = k_rows + (t < tile ? t : 0) * stride;
-    __m256 a[kTile];
-    for (int64_t t = 0; t < kTile; ++t) a[t] = _mm256_setzero_ps();
+  // Scaled q_g . k_t for 8 keys' rows, key t in lane t.
+  __m256 scores(int64_t g, const float* const* rows) const {
+    __m256 a[8];
+    for (int64_t t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+#pragma GCC unroll 16
     for (int64_t c = 0; c < kVecs; ++c) {
       const __m256 qc = _mm256_load_ps(qf + g * DIM + c * 8);
-      for (int64_t t = 0; t < kTile; ++t) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[t] + c * 8), a[t]);
+#pragma GCC unroll 8
+      for (int64_t t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[t] + c * 8), a[t]);
     }
     // hadd pairs lanes within 128-bit halves: after two rounds, half h of h0123 holds keys 0-3's
     // sums over dimensions 4h .. 4h + 3 of each 8, h4567 keys 4-7's
     const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+  }
+
+  // Head g's online-softmax update for the tile's scores (keys 0-7 in lo, 8-15 in hi; lanes
+  // outside `valid_*` are not keys): its probs, and the correction its accumulator takes.
+  void softmax(int64_t g, __m256 lo, __m256 hi, __m256 valid_lo, __m256 valid_hi) {
+    const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    lo = _mm256_blendv_ps(minus_inf, lo, valid_lo);
+    hi = _mm256_blendv_ps(minus_inf, hi, valid_hi);
+    const float new_max =
+        std::max(run_max[g], horizontal(_mm256_max_ps(lo, hi), [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }));
+    const __m256 m = _mm256_set1_ps(new_max);
+    const __m256 e_lo = _mm256_and_ps(valid_lo, exp_nonpositive(_mm256_sub_ps(lo, m)));
+    const __m256 e_hi = _mm256_and_ps(valid_hi, exp_nonpositive(_mm256_sub_ps(hi, m)));
+    // exp(-inf) = 0 at the start; most tiles leave the maximum as it was (no libm call then)
+    correction[g] = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);
+    run_sum[g] = run_sum[g] * correction[g] +
+                 horizontal(_mm256_add_ps(e_lo, e_hi), [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
+    run_max[g] = new_max;
+    _mm256_store_ps(probs + g * kTile, e_lo);
+    _mm256_store_ps(probs + g * kTile + 8, e_hi);
   }
 
   // op (max or add) over the 8 lanes
@@ -347,18 +376,18 @@ struct Fp32DecodeTask : DecodeTask<float, DIM> {
     return _mm_cvtss_f32(h);
   }
 
-  // acc[g] = acc[g] * correction + sum_t p_t v_t over the tile's keys
-  void accumulate(int64_t g, __m256 p, float correction, const float* __restrict__ v_rows, int64_t stride,
-                  int64_t tile) {
-    alignas(32) float probs[kTile];
-    _mm256_store_ps(probs, p);
+  // acc[g] = acc[g] * correction[g] + sum_t probs[g][t] v_t over the tile's keys
+  void accumulate(int64_t g, const float* __restrict__ v_rows, int64_t stride, int64_t tile) {
     __m256 a[kVecs];
-    const __m256 corr = _mm256_set1_ps(correction);
+    const __m256 corr = _mm256_set1_ps(correction[g]);
+#pragma GCC unroll 16
     for (int64_t j = 0; j < kVecs; ++j) a[j] = _mm256_mul_ps(_mm256_load_ps(acc + g * DIM + j * 8), corr);
     for (int64_t t = 0; t < tile; ++t) {
-      const __m256 pt = _mm256_set1_ps(probs[t]);
+      const __m256 pt = _mm256_broadcast_ss(probs + g * kTile + t);
+#pragma GCC unroll 16
       for (int64_t j = 0; j < kVecs; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v_rows + t * stride + j * 8), a[j]);
     }
+#pragma GCC unroll 16
     for (int64_t j = 0; j < kVecs; ++j) _mm256_store_ps(acc + g * DIM + j * 8, a[j]);
   }
 };
