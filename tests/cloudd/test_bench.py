@@ -237,3 +237,19 @@ def test_progress_off_a_terminal_writes_occasional_plain_lines_and_can_be_off():
     quiet.close()
     assert quiet.stream.getvalue() == ""
     assert Progress("vllm", None, stream=log).line(0, 0, elapsed=12.3) == "vllm: running, 12 s"
+
+
+def test_bench_profile_reports_each_run_against_the_best_matmul_peak(tiny_folder, monkeypatch, capsys):
+    """The peak is measured before the runs and after each; every run's fraction is against the
+    best so far (one slow measurement on a noisy machine must not inflate the fraction)."""
+    measured = iter([1e9, 3e9, 2e9])  # before the runs, after radix, after hashed
+    monkeypatch.setattr("cloudd.bench.matmul_peak_flops", lambda dtype, device: next(measured))
+    args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--limit", "3",
+            "--output-len", "2", "--index", "radix,hashed", "--num-blocks", "256", "--no-compile", "--profile", "--json"]
+    assert main(args) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    for name in ("radix", "hashed"):
+        profile = runs[name]["profile"]
+        assert profile["peak_gflop_s"] == pytest.approx(3.0)
+        assert profile["peak_frac"] == pytest.approx(profile["achieved_gflop_s"] / 3.0)
+        assert profile["steps"] > 0 and set(profile["share"]) >= {"model", "attention", "logits"}
