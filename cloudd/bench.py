@@ -155,7 +155,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 log(format_run(f"engine, {name}", runs[name]))
                 if profile is not None:
                     # NOTE: measured again after each run, the best kept: one measurement at start
-                    # on a noisy machine read 91 GFLOP/s where the same machine gave 142-162
+                    # on a noisy machine read 91 GFLOP/s where the same machine gave 142-178
                     peak = max(peak, _matmul_peak(opts, log))
                     runs[name]["profile"] = profile.report(peak)
                     log(format_profile(runs[name]["profile"]))
