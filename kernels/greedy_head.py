@@ -17,13 +17,27 @@ import torch.nn.functional as F
 
 from kernels.sample_cpu import sample_rows, sample_rows_reference
 
-GREEDY_VOCAB_SLICE = 4096  # 256 rows x 4,096 bf16 logits: 2 MB, in cache until their maxima are read
+# A slice's logits stay in cache until their maxima are read: at most this many bytes of them
+# (256 rows x 4,096 bf16 logits), and never more than MAX_VOCAB_SLICE vocabulary rows. Measured
+# on a 2-core AVX2 EPYC in float32 (the head of a 49,152-token vocabulary, 256 rows): slices of
+# 2,048 take 103 ms a step, of 4,096 (8 MB of logits) 115 ms; at 128 rows both take 62 ms.
+SLICE_LOGITS_BYTES = 2 * 2**20
+MAX_VOCAB_SLICE = 4096
+MIN_VOCAB_SLICE = 512
 
 
-def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_slice: int = GREEDY_VOCAB_SLICE) -> torch.Tensor:
+def vocab_slice_for(rows: int, dtype: torch.dtype) -> int:
+    """The vocabulary rows ``greedy_head`` takes at a time for ``rows`` hidden rows of ``dtype``."""
+    fit = SLICE_LOGITS_BYTES // (max(rows, 1) * dtype.itemsize)
+    return max(MIN_VOCAB_SLICE, min(MAX_VOCAB_SLICE, fit))
+
+
+def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_slice: int | None = None) -> torch.Tensor:
     """hidden [rows, d], the head's weight [vocab, d] -> [rows] int64: each row's first largest
-    logit of ``hidden @ weight.T`` (finite logits)."""
+    logit of ``hidden @ weight.T`` (finite logits). ``vocab_slice``: the weight rows a product
+    takes at a time (default ``vocab_slice_for`` the rows and dtype)."""
     rows = hidden.shape[0]
+    vocab_slice = vocab_slice or vocab_slice_for(rows, hidden.dtype)
     zeros = torch.zeros(rows, dtype=torch.float32)
     best_value = best_token = None
     for start in range(0, weight.shape[0], vocab_slice):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.greedy_head import greedy_head, greedy_head_reference
+from kernels.greedy_head import MAX_VOCAB_SLICE, MIN_VOCAB_SLICE, greedy_head, greedy_head_reference, vocab_slice_for
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -32,3 +32,18 @@ def test_a_tie_across_slices_keeps_the_earlier_token():
     hidden = torch.ones(1, 1)
     weight = torch.tensor([[0.0], [3.0], [1.0], [3.0]])  # the maximum in both slices of two
     assert greedy_head(hidden, weight, vocab_slice=2).tolist() == [1]
+
+
+def test_the_default_slice_keeps_a_slices_logits_within_the_cache_budget():
+    assert vocab_slice_for(256, torch.bfloat16) == 4096  # 2 MB of logits
+    assert vocab_slice_for(256, torch.float32) == 2048
+    assert vocab_slice_for(1, torch.float32) == MAX_VOCAB_SLICE
+    assert vocab_slice_for(100_000, torch.float32) == MIN_VOCAB_SLICE
+
+
+def test_the_default_slicing_picks_what_the_whole_logits_pick():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1100, 16, generator=g)
+    weight = torch.randn(3000, 16, generator=g)
+    assert vocab_slice_for(1100, torch.float32) < 3000
+    assert torch.equal(greedy_head(hidden, weight), greedy_head_reference(hidden, weight))
