@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from kernels.sample_cpu import sample_rows, sample_rows_reference
 
 # A slice's logits stay in cache until their maxima are read: at most this many bytes of them
-# (256 rows x 4,096 bf16 logits), and never more than MAX_VOCAB_SLICE vocabulary rows. Measured
-# on a 2-core AVX2 EPYC in float32 (the head of a 49,152-token vocabulary, 256 rows): slices of
-# 2,048 take 103 ms a step, of 4,096 (8 MB of logits) 115 ms; at 128 rows both take 62 ms.
+# (256 rows x 4,096 bf16 logits), between MIN_ and MAX_VOCAB_SLICE vocabulary rows (4,096: the
+# slice bf16 was measured with; 512: smaller GEMMs measured no faster). Measured on a 2-core AVX2
+# EPYC in float32 (the head of a 49,152-token vocabulary, 256 rows): slices of 2,048 take 103 ms a
+# call, of 4,096 (8 MB of logits) 115 ms; at 128 rows both take 62 ms.
 SLICE_LOGITS_BYTES = 2 * 2**20
 MAX_VOCAB_SLICE = 4096
 MIN_VOCAB_SLICE = 512
@@ -37,7 +38,8 @@ def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_slice: int | N
     logit of ``hidden @ weight.T`` (finite logits). ``vocab_slice``: the weight rows a product
     takes at a time (default ``vocab_slice_for`` the rows and dtype)."""
     rows = hidden.shape[0]
-    vocab_slice = vocab_slice or vocab_slice_for(rows, hidden.dtype)
+    if vocab_slice is None:
+        vocab_slice = vocab_slice_for(rows, hidden.dtype)
     zeros = torch.zeros(rows, dtype=torch.float32)
     best_value = best_token = None
     for start in range(0, weight.shape[0], vocab_slice):
