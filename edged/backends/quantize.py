@@ -3,11 +3,16 @@
 - **int8**: one symmetric scale per output row; ``torch.ops.aten._weight_int8pack_mm`` on the
   CPU, the Triton GEMV/GEMM of ``kernels.triton_int8_matmul`` on CUDA.
 - **int4**: asymmetric, one (scale, minimum) per group of ``INT4_GROUP`` input columns (Q4_1's
-  form, ``kernels.triton_int4_matmul.Int4Weight``); packed for
-  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the CPU, the Triton GEMV/GEMM on CUDA.
+  form, ``kernels.triton_int4_matmul.Int4Weight``), read as it is by
+  ``kernels.int4_matmul_cpu`` on the CPU and by the Triton GEMV/GEMM on CUDA.
 
 Embeddings stay float; the LM head (tied to the embeddings in small models) is quantized as its
 own copy.
+
+The model's layer functions (``shared.model.llama``, ``kernels.triton_layers``) take each
+projection's ``weight`` and call ``nn.functional.linear`` on it. A quantized layer's ``weight``
+is a ``QuantizedWeight``: torch hands ``linear`` calls on it to the layer's own matmul (torch's
+``__torch_function__`` protocol), so the same layer functions run float and quantized models.
 """
 
 from __future__ import annotations
@@ -15,38 +20,76 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.int4_matmul_cpu import int4_matmul_cpu
 from kernels.triton_int4_matmul import Int4Weight, int4_matmul
 from kernels.triton_int8_matmul import int8_matmul
 
 INT4_GROUP = 32
+# Forwards of more rows than this (prefills) dequantize an int4 weight and multiply plainly:
+# dequantizing costs ~0.5 s for a 135M model, which the float GEMM wins back past ~100 rows
+# (measured on a 2-core EPYC; speculative forwards stay far below).
+INT4_KERNEL_MAX_ROWS = 96
 
 
-class Int8Linear(nn.Module):
+class QuantizedWeight:
+    """What a quantized layer shows as its ``weight``: ``nn.functional.linear(x, weight, bias)``
+    runs the layer's matmul (any other torch function on it raises TypeError)."""
+
+    def __init__(self, layer: "QuantizedLinear"):
+        self.layer = layer
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.layer.out_features, self.layer.in_features))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is not nn.functional.linear:
+            return NotImplemented
+        x, weight, bias = _linear_arguments(*args, **(kwargs or {}))
+        return weight.layer.project(x, bias)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is quantized. Subclasses hold the weight's buffers and define
+    ``matmul(flat)``: ``flat`` [M, K] times the weight transposed, [M, N]."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
+        self.weight = QuantizedWeight(self)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` over ``x``'s last dimension."""
+        y = self.matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        return self.project(x, self.bias)
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        self.register_buffer("codes", torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+
+    def matmul(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.is_cuda:
-            y = int8_matmul(flat, self.weight, self.scales)
-        elif flat.shape[0] == 1:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
-        else:
-            # NOTE: on CPUs without AVX-512 the packed kernel costs ~2 ms per row; a prefill
-            # dequantizes the weight once and multiplies plainly (same rounding, same result).
-            y = flat @ (self.weight.to(flat.dtype) * self.scales[:, None]).T
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+            return int8_matmul(flat, self.codes, self.scales)
+        if flat.shape[0] == 1:
+            return torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
+        # NOTE: on CPUs without AVX-512 the packed kernel costs ~2 ms per row; a prefill
+        # dequantizes the weight once and multiplies plainly (same rounding, same result).
+        return flat @ (self.codes.to(flat.dtype) * self.scales[:, None]).T
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
-        super().__init__()
+        super().__init__(linear)
         w = linear.weight.detach()
         out_features, in_features = w.shape
         if in_features % group or out_features % 16:
@@ -54,28 +97,17 @@ class Int4Linear(nn.Module):
                              f"got {in_features} and {out_features}")
         quantized = Int4Weight.quantize(w, group)
         self.group = group
-        self.on_gpu = w.is_cuda
-        if self.on_gpu:  # the Triton kernels read Q4_1's form as it is
-            self.register_buffer("packed", quantized.packed)
-            self.register_buffer("scales", quantized.scales)
-            self.register_buffer("minimums", quantized.minimums)
-        else:
-            codes = torch.stack([quantized.packed & 15, quantized.packed >> 4], dim=-1).flatten(1).to(torch.int32)
-            # torch's kernel computes (code - 8) * scale + zero: zero is the group minimum + 8 scales
-            zeros = quantized.minimums + 8 * quantized.scales
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-            self.register_buffer("scales_and_zeros", torch.stack([quantized.scales.T, zeros.T], dim=-1)
-                                 .contiguous().to(linear.weight.dtype))
-        self.bias = linear.bias
+        self.register_buffer("packed", quantized.packed)
+        self.register_buffer("scales", quantized.scales)
+        self.register_buffer("minimums", quantized.minimums)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if self.on_gpu:
-            y = int4_matmul(flat, Int4Weight(self.packed, self.scales, self.minimums, self.group))
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        weight = Int4Weight(self.packed, self.scales, self.minimums, self.group)
+        if flat.is_cuda:
+            return int4_matmul(flat, weight)
+        if flat.shape[0] > INT4_KERNEL_MAX_ROWS:
+            return flat @ weight.dequantize(flat.dtype).T
+        return int4_matmul_cpu(flat, weight).to(flat.dtype)
 
 
 QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
@@ -98,3 +130,7 @@ def quantize_linears(model: nn.Module, quant: str) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, make(linear))
     return model
+
+
+def _linear_arguments(input, weight, bias=None):  # noqa: A002 -- nn.functional.linear's own names
+    return input, weight, bias

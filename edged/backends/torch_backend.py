@@ -6,7 +6,8 @@ With the Triton kernels (``kernels``; auto picks them on a GPU) it runs cloudd's
 block table is 0, 1, 2, ... (slot = position). On a GPU the one-token decode step is captured
 once as a CUDA graph at start-up and replayed (static input id, position and context length).
 Otherwise the plain-torch ``kernels.dense_attention`` runs eagerly. Weights can be int8 or int4
-(``edged.backends.quantize``: Triton GEMV/GEMM on a GPU).
+(``edged.backends.quantize``: on a CPU int4 reads its 4-bit weights in place,
+``kernels.int4_matmul_cpu``; Triton GEMV/GEMM on a GPU).
 """
 
 from __future__ import annotations

@@ -9,4 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scores"), py::arg("visible"), py::arg("scale"));
   m.def("sample_rows", &sample_rows, "one token per row: first largest (temperature 0) or drawn from softmax(x / temperature) (CPU)", py::arg("x"),
         py::arg("temperatures"), py::arg("uniforms"));
+  m.def("int4_matmul", &int4_matmul, "x @ W^T for a Q4_1-form 4-bit weight read in place, float activations (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"));
 }

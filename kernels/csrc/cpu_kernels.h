@@ -19,3 +19,7 @@ torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double s
 // One token per row: greedy rows' first largest value, sampled rows' inverse-CDF draw from
 // softmax(x / temperature) (sample_cpu.cpp).
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperatures, torch::Tensor uniforms);
+
+// x @ W^T for a 4-bit Q4_1-form weight (a scale and a minimum per 32 columns), float
+// activations, read in place (int4_matmul_cpu.cpp).
+torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums);
