@@ -4,6 +4,13 @@ Each layer's cache is ``k_cache, v_cache: [max_len, kv_heads, head_dim]``, posit
 ``p``. A step computes tokens at ``positions`` (consecutive); they attend causally to every
 position before them. (On a GPU, edged runs the Triton kernels over the same buffer instead:
 ``edged.backends.torch_backend``.)
+
+A step of a few tokens (a decode token and its speculative drafts) runs the CPU paged decode
+kernel (``kernels.paged_decode_cpu``) where it is built: the buffer seen as a pool of
+``DECODE_BLOCK``-row blocks, each token a decode row over the positions up to its own (measured
+on a 2-core EPYC, one layer at a 640-token context: 62 us against 339 us for one token, 410
+against 653 us for 13). Longer steps (prefills), and buffers whose rows are not whole blocks,
+take torch's scaled-dot-product attention.
 """
 
 from __future__ import annotations
@@ -12,21 +19,56 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_decode_cpu import paged_decode_kernel, supports
 from shared.model.llama import rotated
+
+DECODE_BLOCK = 64  # the paged decode kernel's largest block size
+DECODE_MAX_TOKENS = 16  # steps of at most this many tokens read the buffer with the decode kernel
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The paged decode kernel's view of a step: each token a row over the buffer's first blocks."""
+
+    block_tables: torch.Tensor  # [T, blocks] int64: 0, 1, 2, ... (block b holds rows b*DECODE_BLOCK ..)
+    context_lens: torch.Tensor  # [T] int64: position + 1
 
 
 @dataclass(frozen=True)
 class DenseAttentionStep:
-    """``shared.model.llama.AttentionStep`` over a dense buffer (see the module docstring)."""
+    """``shared.model.llama.AttentionStep`` over a dense buffer (see the module docstring).
+    Built directly it always takes scaled-dot-product attention; ``over`` picks the kernel
+    where it applies."""
 
     positions: torch.Tensor  # [T] int64, consecutive
     end: int  # positions[-1] + 1 (the context the queries see)
+    decode_rows: DecodeRows | None = None
+
+    @staticmethod
+    def over(positions: torch.Tensor, end: int, buffer_rows: int, head_dim: int,
+             dtype: torch.dtype) -> "DenseAttentionStep":
+        """The step for ``positions`` over a buffer of ``buffer_rows`` rows of ``head_dim``
+        ``dtype`` values: on the decode kernel when it is built for them, the step is short,
+        and the buffer is whole blocks on the CPU."""
+        usable = (len(positions) <= DECODE_MAX_TOKENS and buffer_rows % DECODE_BLOCK == 0
+                  and positions.device.type == "cpu" and supports(head_dim, dtype))
+        if not usable:
+            return DenseAttentionStep(positions, end)
+        blocks = -(-end // DECODE_BLOCK)
+        tables = torch.arange(blocks).expand(len(positions), blocks).contiguous()
+        return DenseAttentionStep(positions, end, DecodeRows(tables, positions + 1))
 
     def attend(self, layer, q, k, v, kv_cache, scale: float, rope=None) -> torch.Tensor:
         q, k = rotated(q, k, rope)
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, self.positions, k)
         v_cache.index_copy_(0, self.positions, v)
+        if self.decode_rows is not None:
+            blocked = (-1, DECODE_BLOCK, *k_cache.shape[1:])
+            out, _ = paged_decode_kernel()(q.contiguous(), k_cache.view(blocked), v_cache.view(blocked),
+                                           self.decode_rows.block_tables, self.decode_rows.context_lens,
+                                           scale, False, None)
+            return out
         t, heads, dim = q.shape
         kvh = k_cache.shape[1]
         length = self.end

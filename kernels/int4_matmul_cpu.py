@@ -2,9 +2,10 @@
 the other CPU kernels by ``kernels.cpu_extension``): each weight widened to float in registers
 as it is read, float activations, for the few rows of edged's batch-1 forwards (one token, or a
 token and its speculative drafts). A row's result does not depend on how many rows come with it.
+``int4_dequantize_cpu`` widens the whole weight once, for a prefill's plain GEMM.
 
-Where the extension cannot be built, the weight is dequantized and multiplied plainly (the same
-products, rounded in another order).
+Where the extension cannot be built, both take ``Int4Weight.dequantize`` (the same values, the
+products rounded in another order).
 """
 
 from __future__ import annotations
@@ -20,12 +21,26 @@ def int4_matmul_cpu(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 
     Raises ValueError for another group size or a K that does not match the weight.
     """
-    n, half_k = weight.packed.shape
-    if weight.group != 32:
-        raise ValueError(f"int4_matmul_cpu: groups of 32 columns, got {weight.group}")
+    _check_group(weight)
+    half_k = weight.packed.shape[1]
     if x.dim() != 2 or x.shape[1] != 2 * half_k:
         raise ValueError(f"int4_matmul_cpu: x must be [M, {2 * half_k}], got {list(x.shape)}")
     module = cpu_kernels()
     if module is None:
         return x.float() @ weight.dequantize(torch.float32).T
     return module.int4_matmul(x.float().contiguous(), weight.packed, weight.scales, weight.minimums)
+
+
+def int4_dequantize_cpu(weight: Int4Weight) -> torch.Tensor:
+    """``weight`` [N, K] (group 32) as float32: scale * code + minimum. Raises ValueError for
+    another group size."""
+    _check_group(weight)
+    module = cpu_kernels()
+    if module is None:
+        return weight.dequantize(torch.float32)
+    return module.int4_dequantize(weight.packed, weight.scales, weight.minimums)
+
+
+def _check_group(weight: Int4Weight) -> None:
+    if weight.group != 32:
+        raise ValueError(f"int4 CPU kernels: groups of 32 columns, got {weight.group}")

@@ -20,15 +20,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.int4_matmul_cpu import int4_matmul_cpu
+from kernels.int4_matmul_cpu import int4_dequantize_cpu, int4_matmul_cpu
 from kernels.triton_int4_matmul import Int4Weight, int4_matmul
 from kernels.triton_int8_matmul import int8_matmul
 
 INT4_GROUP = 32
-# Forwards of more rows than this (prefills) dequantize an int4 weight and multiply plainly:
-# dequantizing costs ~0.5 s for a 135M model, which the float GEMM wins back past ~100 rows
-# (measured on a 2-core EPYC; speculative forwards stay far below).
-INT4_KERNEL_MAX_ROWS = 96
+# Forwards of more rows than this (prefills) dequantize an int4 weight and multiply plainly
+# (kernels.int4_matmul_cpu): the float GEMM wins past ~32 rows (a 135M model on a 2-core EPYC:
+# 24 rows 94 against 134 ms, 40 rows 215 against 152 ms); speculative forwards stay below.
+INT4_KERNEL_MAX_ROWS = 32
 
 
 class QuantizedWeight:
@@ -106,7 +106,7 @@ class Int4Linear(QuantizedLinear):
         if flat.is_cuda:
             return int4_matmul(flat, weight)
         if flat.shape[0] > INT4_KERNEL_MAX_ROWS:
-            return flat @ weight.dequantize(flat.dtype).T
+            return flat @ int4_dequantize_cpu(weight).to(flat.dtype).T
         return int4_matmul_cpu(flat, weight).to(flat.dtype)
 
 

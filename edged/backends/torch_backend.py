@@ -5,7 +5,8 @@ With the Triton kernels (``kernels``; auto picks them on a GPU) it runs cloudd's
 ``[max_len, kv_heads, head_dim]`` seen as a paged pool of ``GPU_BLOCK``-token blocks whose
 block table is 0, 1, 2, ... (slot = position). On a GPU the one-token decode step is captured
 once as a CUDA graph at start-up and replayed (static input id, position and context length).
-Otherwise the plain-torch ``kernels.dense_attention`` runs eagerly. Weights can be int8 or int4
+Otherwise ``kernels.dense_attention`` runs eagerly (short steps on the CPU decode kernel, the
+buffer then whole ``DECODE_BLOCK``-row blocks). Weights can be int8 or int4
 (``edged.backends.quantize``: on a CPU int4 reads its 4-bit weights in place,
 ``kernels.int4_matmul_cpu``; Triton GEMV/GEMM on a GPU).
 """
@@ -19,7 +20,7 @@ import torch
 
 from edged.backends.base import KVSnapshot
 from edged.backends.quantize import quantize_linears
-from kernels.dense_attention import DenseAttentionStep
+from kernels.dense_attention import DECODE_BLOCK, DenseAttentionStep
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
 from kernels.triton_decode_attention import DecodePlan, launch_programs, splits_for
 from kernels.triton_layers import TRITON_LAYERS
@@ -47,7 +48,8 @@ class TorchBackend:
         self._digest = model_digest
         self.model: LlamaModel = quantize_linears(build_model(cfg, checkpoint.weights).to(self.device), quant)
         self.triton = resolve_kernels(kernels, device) == "triton"
-        rows = -(-max_len // GPU_BLOCK) * GPU_BLOCK if self.triton else max_len  # whole blocks for Triton
+        block = GPU_BLOCK if self.triton else DECODE_BLOCK  # whole blocks for Triton and the CPU decode kernel
+        rows = -(-max_len // block) * block
         shape = (rows, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: one buffer per layer (see shared.engine.runner): slices of one big tensor get
         # copied whole under torch.compile and CUDA graphs replay them fine either way.
@@ -91,7 +93,8 @@ class TorchBackend:
         """Tokens ``start .. start + n - 1`` over the buffer: one extend segment of the Triton
         kernels (its block table the buffer's first blocks), or dense attention."""
         if not self.triton:
-            return DenseAttentionStep(positions, start + n)
+            k_cache = self.kv[0][0]
+            return DenseAttentionStep.over(positions, start + n, k_cache.shape[0], k_cache.shape[2], k_cache.dtype)
         blocks = list(range(-(-(start + n) // GPU_BLOCK)))
         return TritonAttentionStep(TritonAttentionMetadata.build(
             [], [], [(blocks, start, n)], list(range(start, start + n)), GPU_BLOCK, self._pools[0][0].shape[2],

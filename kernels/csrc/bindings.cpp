@@ -11,4 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("temperatures"), py::arg("uniforms"));
   m.def("int4_matmul", &int4_matmul, "x @ W^T for a Q4_1-form 4-bit weight read in place, float activations (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"));
+  m.def("int4_dequantize", &int4_dequantize, "a Q4_1-form 4-bit weight dequantized to float32 (CPU)",
+        py::arg("packed"), py::arg("scales"), py::arg("minimums"));
 }

@@ -23,3 +23,5 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperatures, torch::Te
 // x @ W^T for a 4-bit Q4_1-form weight (a scale and a minimum per 32 columns), float
 // activations, read in place (int4_matmul_cpu.cpp).
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums);
+// That weight dequantized to float32 [N, K] (int4_matmul_cpu.cpp).
+torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums);

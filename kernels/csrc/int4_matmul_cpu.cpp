@@ -1,5 +1,6 @@
 // x @ W^T for a 4-bit weight in Q4_1 form (per group of 32 input columns a scale and a minimum:
-// w = scale * code + minimum), float activations, for the few rows of a batch-1 forward.
+// w = scale * code + minimum), float activations, for the few rows of a batch-1 forward; and the
+// weight dequantized to float32 [N, K], for a prefill's plain GEMM.
 //
 //   x         [M, K] float32, contiguous; K a multiple of 32
 //   packed    [N, K / 2] uint8, contiguous: byte j of a row holds column 2j's code in its low
@@ -89,6 +90,20 @@ void output_tile(const uint8_t* packed, const float* scales, const float* minimu
     y[(m_begin + r) * n_total + n] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
   }
 }
+
+// One group of output n's weights in column order, widened: scale * code + minimum.
+void dequantize_group(const uint8_t* bytes16, float scale, float minimum, float* out) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes16));
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, low_nibbles);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+  const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);  // columns 0-15, 16-31
+  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(widen8(first), s, m));
+  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(widen8(_mm_srli_si128(first, 8)), s, m));
+  _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(widen8(second), s, m));
+  _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(widen8(_mm_srli_si128(second, 8)), s, m));
+}
 #else
 // Portable form: the same products, group by group.
 template <int64_t Tile>
@@ -111,27 +126,61 @@ void output_tile(const uint8_t* packed, const float* scales, const float* minimu
     y[m * n_total + n] = acc;
   }
 }
+
+void dequantize_group(const uint8_t* bytes16, float scale, float minimum, float* out) {
+  for (int64_t j = 0; j < kGroup / 2; ++j) {
+    out[2 * j] = scale * static_cast<float>(bytes16[j] & 0x0F) + minimum;
+    out[2 * j + 1] = scale * static_cast<float>(bytes16[j] >> 4) + minimum;
+  }
+}
 #endif
 
 }  // namespace
 
-torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x: [M, K] float32, contiguous");
-  const int64_t rows = x.size(0), k = x.size(1);
+namespace {
+
+// The weight's tensors as int4_matmul and int4_dequantize take them, for K columns.
+void check_weight(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& minimums,
+                  int64_t k) {
   TORCH_CHECK(k % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", k);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                  packed.size(1) == k / 2,
-              "packed: [N, K / 2] uint8, contiguous");
-  const int64_t n_total = packed.size(0), groups = k / kGroup;
+                  packed.size(1) == k / 2 && packed.device().is_cpu(),
+              "packed: [N, K / 2] uint8, contiguous, on the CPU");
   for (const auto& t : {scales, minimums}) {
-    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.size(0) == n_total &&
-                    t.size(1) == groups,
-                "scales and minimums: [N, K / 32] float32, contiguous");
+    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.is_contiguous() &&
+                    t.size(0) == packed.size(0) && t.size(1) == k / kGroup && t.device().is_cpu(),
+                "scales and minimums: [N, K / 32] float32, contiguous, on the CPU");
   }
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu() &&
-                  minimums.device().is_cpu(),
-              "int4_matmul is a CPU kernel");
+}
+
+}  // namespace
+
+torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums) {
+  TORCH_CHECK(packed.dim() == 2, "packed: [N, K / 2] uint8");
+  const int64_t n_total = packed.size(0), k = 2 * packed.size(1), groups = k / kGroup;
+  check_weight(packed, scales, minimums, k);
+  auto w = torch::empty({n_total, k}, scales.options());
+  const uint8_t* bytes = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* mins = minimums.data_ptr<float>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, n_total, kOutBlock, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        dequantize_group(bytes + n * (k / 2) + g * (kGroup / 2), s[n * groups + g], mins[n * groups + g],
+                         out + n * k + g * kGroup);
+      }
+    }
+  });
+  return w;
+}
+
+torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x: [M, K] float32, contiguous, on the CPU");
+  const int64_t rows = x.size(0), k = x.size(1);
+  check_weight(packed, scales, minimums, k);
+  const int64_t n_total = packed.size(0);
   auto y = torch::empty({rows, n_total}, x.options());
   if (rows == 0 || n_total == 0) return y;
   std::vector<float> reordered(rows * k);
