@@ -37,9 +37,7 @@ _BLOCK_SECTION = {"attn": "self_attn", "mlp": "mlp"}
 def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path) -> int:
     """Rewrite ``onnx_dir/model.onnx`` (and its external data) with the GGUF's blocks; returns
     how many MatMulNBits nodes now hold them."""
-    metadata, tensors = read_gguf(gguf_path)
-    config = read_config(metadata, {t.name for t in tensors})
-    blocks = _gguf_blocks(tensors, config)
+    config, blocks = gguf_block_weights(gguf_path)
     model = onnx.load(str(onnx_dir / "model.onnx"))  # with its external data
     initializers = {i.name: i for i in model.graph.initializer}
     nodes: list[onnx.NodeProto] = []  # the graph's nodes in order, offset terms after their node
@@ -123,8 +121,11 @@ def _lookup_nodes(model: onnx.ModelProto, packed: str) -> tuple[list[onnx.NodePr
     return reshapes, gathers
 
 
-def _gguf_blocks(tensors, config: ModelConfig) -> dict[str, BlockWeight]:
-    """HF name -> the blocks of every 2-D tensor in a carried format, q/k rows in HF's order."""
+def gguf_block_weights(gguf_path: Path) -> tuple[ModelConfig, dict[str, BlockWeight]]:
+    """The GGUF's model config, and HF name -> the blocks of every 2-D tensor in a carried
+    format (Q4_0, Q4_1, Q8_0), q/k rows in HF's order."""
+    metadata, tensors = read_gguf(gguf_path)
+    config = read_config(metadata, {t.name for t in tensors})
     out = {}
     for tensor in tensors:
         weight = block_weight(tensor.kind, tensor.data) if tensor.data.ndim == 2 else None
@@ -134,7 +135,7 @@ def _gguf_blocks(tensors, config: ModelConfig) -> dict[str, BlockWeight]:
         rows = torch.arange(weight.codes.shape[0], dtype=torch.float32)[:, None]
         order = unpermute_rope(rows, name, config)[:, 0].long().numpy()  # the row permutation, applied to indices
         out[name] = weight.rows(order)
-    return out
+    return config, out
 
 
 def _sources(node_name: str, config: ModelConfig) -> list[str] | None:

@@ -46,6 +46,13 @@ class BlockWeight:
             blocks += self.offsets[..., None]
         return blocks.reshape(n, k)
 
+    def minimums(self) -> np.ndarray:  # [N, K // BLOCK] float32
+        """Each block's ``m`` in the form ``w = scales * codes + m``: the offset (0 without one)
+        less the zero point's ``scales * zero_point`` (for Q4_1 exactly its ``m``)."""
+        zero = np.float32(8) if self.zero_points is None else self.zero_points.astype(np.float32)
+        offsets = np.float32(0) if self.offsets is None else self.offsets
+        return (offsets - zero * self.scales).astype(np.float32)
+
     def packed(self) -> np.ndarray:  # [N, K // BLOCK, BLOCK * bits // 8] uint8, MatMulNBits' B
         n, k = self.codes.shape
         codes = self.codes if self.bits == 8 else self.codes[:, 0::2] | (self.codes[:, 1::2] << 4)

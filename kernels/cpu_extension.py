@@ -1,7 +1,7 @@
 """The CPU kernels (``csrc/*.cpp``), one C++ extension module: paged decode attention
 (``kernels.paged_decode_cpu``), the softmax with log-sum-exp of the GEMM attention
 (``kernels.softmax_lse_cpu``), each row's next token, greedy or drawn (``kernels.sample_cpu``), and
-the 4-bit weights' matmul of edged's batch-1 forwards (``kernels.int4_matmul_cpu``).
+the block-quantized weights' matmul of edged's batch-1 forwards (``kernels.block_matmul_cpu``).
 
 Built on first use by torch's extension tooling (g++ and ninja, ``-O3 -march=native``) into
 torch's extension cache, rebuilt when a source or the flags change; ``python -m
@@ -20,7 +20,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "int4_matmul_cpu.cpp", "bindings.cpp")
+SOURCES = ("paged_decode_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "block_matmul_cpu.cpp", "bindings.cpp")
 
 
 @functools.cache

@@ -15,7 +15,8 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
     """``onnx``: the model exported (once, cached beside it) and run by ONNX Runtime, on the
     CUDA or TensorRT provider when ``device`` is cuda and they are installed. ``torch``: the
     engine's model over a dense buffer, on a GPU with the Triton kernels and (``cuda_graph``)
-    its decode step replayed as a CUDA graph."""
+    its decode step replayed as a CUDA graph; int4 from a GGUF takes its quantized blocks as
+    they are."""
     from edged.export import model_hash
 
     if kind == "onnx":
@@ -30,6 +31,7 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
 
         if device == "cpu":
             torch.set_num_threads(threads)
+        gguf = Path(model_path) if Path(model_path).suffix == ".gguf" else None
         return TorchBackend(checkpoint, max_len, quant=quant, device=device, model_digest=model_hash(Path(model_path)),
-                            cuda_graph=cuda_graph)
+                            cuda_graph=cuda_graph, blocks_from=gguf)
     raise ValueError(f"backend kind {kind!r}: must be 'onnx' or 'torch'")

@@ -4,7 +4,9 @@
   CPU, the Triton GEMV/GEMM of ``kernels.triton_int8_matmul`` on CUDA.
 - **int4**: asymmetric, one (scale, minimum) per group of ``INT4_GROUP`` input columns (Q4_1's
   form, ``kernels.triton_int4_matmul.Int4Weight``), read as it is by
-  ``kernels.int4_matmul_cpu`` on the CPU and by the Triton GEMV/GEMM on CUDA.
+  ``kernels.block_matmul_cpu`` on the CPU and by the Triton GEMV/GEMM on CUDA. A ``BlockLinear``
+  can also hold weights quantized elsewhere in that form, 4- or 8-bit: a GGUF's own blocks
+  (``edged.backends.gguf_linears``).
 
 Embeddings stay float; the LM head (tied to the embeddings in small models) is quantized as its
 own copy.
@@ -20,15 +22,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.int4_matmul_cpu import int4_dequantize_cpu, int4_matmul_cpu
+from kernels.block_matmul_cpu import BlockWeight, Int8BlockWeight, block_dequantize_cpu, block_matmul_cpu
 from kernels.triton_int4_matmul import Int4Weight, int4_matmul
 from kernels.triton_int8_matmul import int8_matmul
 
 INT4_GROUP = 32
-# Forwards of more rows than this (prefills) dequantize an int4 weight and multiply plainly
-# (kernels.int4_matmul_cpu): the float GEMM wins past ~32 rows (a 135M model on a 2-core EPYC:
-# 24 rows 94 against 134 ms, 40 rows 215 against 152 ms); speculative forwards stay below.
-INT4_KERNEL_MAX_ROWS = 32
+# Forwards of more rows than this (prefills) dequantize a block weight on the CPU and multiply
+# plainly (kernels.block_matmul_cpu): the float GEMM wins past ~32 rows (a 135M model on a
+# 2-core EPYC: 24 rows 94 against 134 ms, 40 rows 215 against 152 ms); speculative forwards stay below.
+BLOCK_KERNEL_MAX_ROWS = 32
 
 
 class QuantizedWeight:
@@ -54,10 +56,10 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight is quantized. Subclasses hold the weight's buffers and define
     ``matmul(flat)``: ``flat`` [M, K] times the weight transposed, [M, N]."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = linear.bias
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
         self.weight = QuantizedWeight(self)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +73,7 @@ class QuantizedLinear(nn.Module):
 
 class Int8Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear):
-        super().__init__(linear)
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
         w = linear.weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
         self.register_buffer("codes", torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8))
@@ -87,30 +89,47 @@ class Int8Linear(QuantizedLinear):
         return flat @ (self.codes.to(flat.dtype) * self.scales[:, None]).T
 
 
-class Int4Linear(QuantizedLinear):
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
-        super().__init__(linear)
-        w = linear.weight.detach()
-        out_features, in_features = w.shape
+class BlockLinear(QuantizedLinear):
+    """A weight in blocks of 32 input columns, ``scale * code + minimum``: 4-bit (``Int4Weight``)
+    or 8-bit (``Int8BlockWeight``). On a GPU the 4-bit form runs the Triton GEMV/GEMM and the
+    8-bit form is dequantized for each call."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None):
+        out_features, columns = weight.packed.shape
+        super().__init__(columns * (2 if isinstance(weight, Int4Weight) else 1), out_features, bias)
+        self.group = weight.group if isinstance(weight, Int4Weight) else None  # None: 8-bit codes
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("minimums", weight.minimums)
+
+    @staticmethod
+    def quantize(linear: nn.Linear, group: int = INT4_GROUP) -> "BlockLinear":
+        """``linear`` rounded to 4 bits, each group of ``group`` columns between its minimum and
+        maximum. Raises ValueError when the shape does not allow it."""
+        out_features, in_features = linear.weight.shape
         if in_features % group or out_features % 16:
             raise ValueError(f"int4 needs in_features a multiple of {group} and out_features of 16, "
                              f"got {in_features} and {out_features}")
-        quantized = Int4Weight.quantize(w, group)
-        self.group = group
-        self.register_buffer("packed", quantized.packed)
-        self.register_buffer("scales", quantized.scales)
-        self.register_buffer("minimums", quantized.minimums)
+        return BlockLinear(Int4Weight.quantize(linear.weight.detach(), group), linear.bias)
+
+    @property
+    def block_weight(self) -> BlockWeight:
+        if self.group is None:
+            return Int8BlockWeight(self.packed, self.scales, self.minimums)
+        return Int4Weight(self.packed, self.scales, self.minimums, self.group)
 
     def matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        weight = Int4Weight(self.packed, self.scales, self.minimums, self.group)
+        weight = self.block_weight
         if flat.is_cuda:
-            return int4_matmul(flat, weight)
-        if flat.shape[0] > INT4_KERNEL_MAX_ROWS:
-            return flat @ int4_dequantize_cpu(weight).to(flat.dtype).T
-        return int4_matmul_cpu(flat, weight).to(flat.dtype)
+            if isinstance(weight, Int4Weight):
+                return int4_matmul(flat, weight)
+            return flat @ weight.dequantize(flat.dtype).T
+        if flat.shape[0] > BLOCK_KERNEL_MAX_ROWS:
+            return flat @ block_dequantize_cpu(weight).to(flat.dtype).T
+        return block_matmul_cpu(flat, weight).to(flat.dtype)
 
 
-QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
+QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": BlockLinear.quantize}
 
 
 def quantize_linears(model: nn.Module, quant: str) -> nn.Module:

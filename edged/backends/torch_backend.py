@@ -8,17 +8,19 @@ once as a CUDA graph at start-up and replayed (static input id, position and con
 Otherwise ``kernels.dense_attention`` runs eagerly (short steps on the CPU decode kernel, the
 buffer then whole ``DECODE_BLOCK``-row blocks). Weights can be int8 or int4
 (``edged.backends.quantize``: on a CPU int4 reads its 4-bit weights in place,
-``kernels.int4_matmul_cpu``; Triton GEMV/GEMM on a GPU).
+``kernels.block_matmul_cpu``; Triton GEMV/GEMM on a GPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from edged.backends.base import KVSnapshot
+from edged.backends.gguf_linears import carry_gguf_linears
 from edged.backends.quantize import quantize_linears
 from kernels.dense_attention import DECODE_BLOCK, DenseAttentionStep
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
@@ -37,16 +39,21 @@ class TorchBackend:
     row_exact = True  # float weights or weight-only quantization: rows differ by rounding only
 
     def __init__(self, checkpoint: Checkpoint, max_len: int, quant: str = "none", device: str = "cpu",
-                 model_digest: str = "", cuda_graph: bool = True, kernels: str = "auto"):
+                 model_digest: str = "", cuda_graph: bool = True, kernels: str = "auto",
+                 blocks_from: Path | None = None):
         """``kernels`` as ``[engine] kernels`` (``shared.engine.kernel_choice``): auto is Triton
-        on a GPU and the plain-torch dense attention on a CPU."""
+        on a GPU and the plain-torch dense attention on a CPU. ``blocks_from``: with int4, the
+        GGUF the checkpoint came from; its block-quantized tensors are used as they are
+        (``edged.backends.gguf_linears``) and only the other layers are quantized."""
         cfg = checkpoint.config
         self.quant = quant
         self.max_len = max_len
         self.vocab_size = cfg.vocab_size
         self.device = torch.device(device)
         self._digest = model_digest
-        self.model: LlamaModel = quantize_linears(build_model(cfg, checkpoint.weights).to(self.device), quant)
+        model = build_model(cfg, checkpoint.weights).to(self.device)
+        self.carried_layers = carry_gguf_linears(model, blocks_from) if quant == "int4" and blocks_from else 0
+        self.model: LlamaModel = quantize_linears(model, quant)
         self.triton = resolve_kernels(kernels, device) == "triton"
         block = GPU_BLOCK if self.triton else DECODE_BLOCK  # whole blocks for Triton and the CPU decode kernel
         rows = -(-max_len // block) * block
@@ -112,7 +119,8 @@ class TorchBackend:
             v[:n].copy_(torch.from_numpy(vs).transpose(0, 1))
 
     def identity(self) -> str:
-        return f"{self._digest}:torch:{self.quant}:float32:{self.device.type}"
+        weights = f"{self.quant}+gguf-blocks" if self.carried_layers else self.quant
+        return f"{self._digest}:torch:{weights}:float32:{self.device.type}"
 
 
 class _DecodeGraph:

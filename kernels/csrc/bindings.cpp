@@ -9,8 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scores"), py::arg("visible"), py::arg("scale"));
   m.def("sample_rows", &sample_rows, "one token per row: first largest (temperature 0) or drawn from softmax(x / temperature) (CPU)", py::arg("x"),
         py::arg("temperatures"), py::arg("uniforms"));
-  m.def("int4_matmul", &int4_matmul, "x @ W^T for a Q4_1-form 4-bit weight read in place, float activations (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"));
-  m.def("int4_dequantize", &int4_dequantize, "a Q4_1-form 4-bit weight dequantized to float32 (CPU)",
-        py::arg("packed"), py::arg("scales"), py::arg("minimums"));
+  m.def("block_matmul", &block_matmul,
+        "x @ W^T for a weight in blocks of 32 columns (scale * code + minimum), read in place, float activations (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"), py::arg("bits"));
+  m.def("block_dequantize", &block_dequantize, "a weight in blocks of 32 columns dequantized to float32 (CPU)",
+        py::arg("packed"), py::arg("scales"), py::arg("minimums"), py::arg("bits"));
 }

@@ -20,8 +20,9 @@ torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double s
 // softmax(x / temperature) (sample_cpu.cpp).
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperatures, torch::Tensor uniforms);
 
-// x @ W^T for a 4-bit Q4_1-form weight (a scale and a minimum per 32 columns), float
-// activations, read in place (int4_matmul_cpu.cpp).
-torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums);
-// That weight dequantized to float32 [N, K] (int4_matmul_cpu.cpp).
-torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums);
+// x @ W^T for a weight quantized in blocks of 32 columns (scale * code + minimum, 4- or 8-bit
+// codes), float activations, read in place; and that weight dequantized to float32 [N, K]
+// (block_matmul_cpu.cpp).
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums,
+                           int64_t bits);
+torch::Tensor block_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums, int64_t bits);

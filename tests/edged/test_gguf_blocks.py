@@ -30,6 +30,16 @@ def test_blocks_dequantize_as_the_gguf_package_does(kind):
     np.testing.assert_allclose(blocks.dequantize(), gguf.quants.dequantize(data, kind), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_blocks_in_scale_and_minimum_form_dequantize_the_same(kind):  # the torch backend's form
+    weights = np.random.default_rng(1).standard_normal((16, 4 * BLOCK)).astype(np.float32)
+    data = quantized(kind, weights)
+    blocks = block_weight(kind, data)
+    n, k = blocks.codes.shape
+    form = blocks.codes.reshape(n, -1, BLOCK) * blocks.scales[..., None] + blocks.minimums()[..., None]
+    np.testing.assert_allclose(form.reshape(n, k), gguf.quants.dequantize(data, kind), atol=1e-6, rtol=0)
+
+
 def test_every_block_tensor_of_the_default_model_is_exact(default_model_path):
     _, tensors = read_gguf(default_model_path)
     carried = 0

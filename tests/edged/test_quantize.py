@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from edged.backends.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_linears
+from edged.backends.quantize import INT4_GROUP, BlockLinear, Int8Linear, quantize_linears
 
 
 def reference_int8(w: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def test_quantized_linears_multiply_by_their_rounded_weight(out_f, groups, rows,
     torch.manual_seed(seed)
     linear = nn.Linear(groups * INT4_GROUP * 2, out_f, bias=bias)
     x = torch.randn(rows, linear.in_features)
-    for layer, reference in ((Int8Linear(linear), reference_int8), (Int4Linear(linear), reference_int4)):
+    for layer, reference in ((Int8Linear(linear), reference_int8), (BlockLinear.quantize(linear), reference_int4)):
         expected = x @ reference(linear.weight.detach()).T + (linear.bias.detach() if bias else 0)
         torch.testing.assert_close(layer(x), expected, atol=2e-4, rtol=2e-4)
 
@@ -43,7 +43,7 @@ def test_quantized_linears_multiply_by_their_rounded_weight(out_f, groups, rows,
 def test_quantize_linears_replaces_every_linear_and_keeps_the_embedding_float():
     model = nn.Sequential(nn.Embedding(10, 64), nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 32)))
     quantize_linears(model, "int4")
-    assert isinstance(model[1], Int4Linear) and isinstance(model[2][0], Int4Linear)
+    assert isinstance(model[1], BlockLinear) and isinstance(model[2][0], BlockLinear)
     assert model[0].weight.dtype == torch.float32
     with pytest.raises(ValueError, match="quantization 'int3'"):
         quantize_linears(model, "int3")
@@ -56,7 +56,7 @@ def test_a_quantized_weight_stands_in_for_the_float_one_in_linear():
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
     x = torch.randn(3, 64)
-    for layer in (Int8Linear(linear), Int4Linear(linear)):
+    for layer in (Int8Linear(linear), BlockLinear.quantize(linear)):
         torch.testing.assert_close(nn.functional.linear(x, layer.weight, layer.bias), layer(x), atol=0, rtol=0)
         assert layer.weight.shape == (32, 64)
         with pytest.raises(TypeError):
@@ -80,3 +80,17 @@ def test_the_torch_backend_runs_quantized_weights(default_checkpoint, plan_promp
     start = len(plan_prompt) - 8
     torch.testing.assert_close(backend.forward_rows(tail, start)[-1], backend.forward(tail, start),
                                atol=1e-3, rtol=1e-3)
+
+
+def test_int4_from_a_gguf_runs_its_own_blocks(default_checkpoint, default_model_path, plan_prompt):
+    """Every linear layer of the default Q4_1 GGUF (its LM head Q8_0) takes the file's blocks as
+    they are: the next-token choices are the float model's (the dequantized GGUF), to rounding."""
+    from edged.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend(default_checkpoint, 1024, "int4", blocks_from=default_model_path)
+    config = default_checkpoint.config
+    assert backend.carried_layers == 4 * config.num_layers + 1
+    assert "gguf-blocks" in backend.identity()
+    float_rows = TorchBackend(default_checkpoint, 1024, "none").forward_rows(plan_prompt, 0)
+    agreement = (backend.forward_rows(plan_prompt, 0).argmax(-1) == float_rows.argmax(-1)).float().mean().item()
+    assert agreement >= 0.99, agreement

@@ -1,0 +1,73 @@
+"""x @ W^T on the CPU for a weight quantized in blocks of 32 input columns, each block a scale
+and a minimum (``w = scale * code + minimum``): 4-bit ``Int4Weight`` (Q4_1's form; a Q4_0 or
+Q4_1 GGUF's blocks as they are) or 8-bit ``Int8BlockWeight`` (a Q8_0 GGUF's). The kernels
+(``csrc/block_matmul_cpu.cpp``, built with the other CPU kernels by ``kernels.cpu_extension``)
+widen each weight to float in registers as it is read, float activations, for the few rows of
+edged's batch-1 forwards (one token, or a token and its speculative drafts); a row's result does
+not depend on how many rows come with it. ``block_dequantize_cpu`` widens the whole weight
+once, for a prefill's plain GEMM.
+
+Where the extension cannot be built, both take the weight's ``dequantize`` (the same values,
+the products rounded in another order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_extension import cpu_kernels
+from kernels.triton_int4_matmul import Int4Weight
+
+GROUP = 32  # input columns per block
+
+
+@dataclass(frozen=True)
+class Int8BlockWeight:
+    """A [N, K] weight of 8-bit codes, ``scale * code + minimum`` per block of ``GROUP`` columns
+    (a Q8_0 block ``d * q``: code ``q + 128``, minimum ``-128 d``)."""
+
+    packed: torch.Tensor  # [N, K] uint8, one code per column
+    scales: torch.Tensor  # [N, K // GROUP] float32
+    minimums: torch.Tensor  # [N, K // GROUP] float32
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
+        n, k = self.packed.shape
+        blocks = self.packed.view(n, -1, GROUP).float() * self.scales[..., None] + self.minimums[..., None]
+        return blocks.view(n, k).to(dtype)
+
+
+BlockWeight = Int4Weight | Int8BlockWeight
+
+
+def block_matmul_cpu(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """``x`` [M, K] float32 times ``weight`` [N, K] transposed: [M, N] float32.
+
+    Raises ValueError for a 4-bit weight in groups other than 32 or a K that does not match.
+    """
+    bits = _bits(weight)
+    k = weight.packed.shape[1] * 8 // bits
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"block_matmul_cpu: x must be [M, {k}], got {list(x.shape)}")
+    module = cpu_kernels()
+    if module is None:
+        return x.float() @ weight.dequantize(torch.float32).T
+    return module.block_matmul(x.float().contiguous(), weight.packed, weight.scales, weight.minimums, bits)
+
+
+def block_dequantize_cpu(weight: BlockWeight) -> torch.Tensor:
+    """``weight`` [N, K] as float32. Raises ValueError for a 4-bit weight in groups other than 32."""
+    bits = _bits(weight)
+    module = cpu_kernels()
+    if module is None:
+        return weight.dequantize(torch.float32)
+    return module.block_dequantize(weight.packed, weight.scales, weight.minimums, bits)
+
+
+def _bits(weight: BlockWeight) -> int:
+    if isinstance(weight, Int8BlockWeight):
+        return 8
+    if weight.group != GROUP:
+        raise ValueError(f"block CPU kernels: groups of {GROUP} columns, got {weight.group}")
+    return 4
