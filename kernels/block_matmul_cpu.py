@@ -44,16 +44,18 @@ BlockWeight = Int4Weight | Int8BlockWeight
 def block_matmul_cpu(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     """``x`` [M, K] float32 times ``weight`` [N, K] transposed: [M, N] float32.
 
-    Raises ValueError for a 4-bit weight in groups other than 32 or a K that does not match.
+    Raises ValueError for a 4-bit weight in groups other than 32 or an ``x`` that is not
+    [M, K] float32 (contiguous; the kernel's own checks, called once per projection of a
+    forward, so kept in C++).
     """
     bits = _bits(weight)
-    k = weight.packed.shape[1] * 8 // bits
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"block_matmul_cpu: x must be [M, {k}], got {list(x.shape)}")
     module = cpu_kernels()
     if module is None:
+        k = weight.packed.shape[1] * 8 // bits
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"block_matmul: x must be [M, {k}], got {list(x.shape)}")
         return x.float() @ weight.dequantize(torch.float32).T
-    return module.block_matmul(x.float().contiguous(), weight.packed, weight.scales, weight.minimums, bits)
+    return module.block_matmul(x, weight.packed, weight.scales, weight.minimums, bits)
 
 
 def block_dequantize_cpu(weight: BlockWeight) -> torch.Tensor:

@@ -208,16 +208,16 @@ void dequantize(const uint8_t* packed, const float* scales, const float* minimum
 // The weight's tensors as block_matmul and block_dequantize take them; returns K.
 int64_t check_weight(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& minimums,
                      int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                  packed.device().is_cpu(),
-              "packed: [N, K * bits / 8] uint8, contiguous, on the CPU");
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                        packed.device().is_cpu(),
+                    "packed: [N, K * bits / 8] uint8, contiguous, on the CPU");
   const int64_t k = packed.size(1) * 8 / bits;
-  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", k);
+  TORCH_CHECK_VALUE(k % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", k);
   for (const auto& t : {scales, minimums}) {
-    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.is_contiguous() &&
-                    t.size(0) == packed.size(0) && t.size(1) == k / kGroup && t.device().is_cpu(),
-                "scales and minimums: [N, K / 32] float32, contiguous, on the CPU");
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.is_contiguous() &&
+                          t.size(0) == packed.size(0) && t.size(1) == k / kGroup && t.device().is_cpu(),
+                      "scales and minimums: [N, K / 32] float32, contiguous, on the CPU");
   }
   return k;
 }
@@ -236,9 +236,9 @@ torch::Tensor block_dequantize(torch::Tensor packed, torch::Tensor scales, torch
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums,
                            int64_t bits) {
   const int64_t k = check_weight(packed, scales, minimums, bits), n_total = packed.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "x: [M, K] float32, contiguous, on the CPU, K = ", k);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                        x.device().is_cpu(),
+                    "block_matmul: x must be [M, ", k, "] float32, contiguous, on the CPU");
   const int64_t rows = x.size(0);
   auto y = torch::empty({rows, n_total}, x.options());
   if (rows == 0 || n_total == 0) return y;

@@ -94,3 +94,10 @@ def test_int4_from_a_gguf_runs_its_own_blocks(default_checkpoint, default_model_
     float_rows = TorchBackend(default_checkpoint, 1024, "none").forward_rows(plan_prompt, 0)
     agreement = (backend.forward_rows(plan_prompt, 0).argmax(-1) == float_rows.argmax(-1)).float().mean().item()
     assert agreement >= 0.99, agreement
+
+
+def test_a_block_layer_s_weight_follows_its_buffers_when_moved():
+    layer = BlockLinear.quantize(nn.Linear(64, 32))
+    assert layer.block_weight.scales is layer.scales
+    layer.to(torch.float64)  # replaces the float buffers
+    assert layer.block_weight.scales is layer.scales and layer.scales.dtype == torch.float64
