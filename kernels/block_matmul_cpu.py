@@ -38,10 +38,10 @@ class Int8BlockWeight:
         return blocks.view(n, k).to(dtype)
 
 
-BlockWeight = Int4Weight | Int8BlockWeight
+PackedBlockWeight = Int4Weight | Int8BlockWeight  # the torch forms the kernels read
 
 
-def block_matmul_cpu(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+def block_matmul_cpu(x: torch.Tensor, weight: PackedBlockWeight) -> torch.Tensor:
     """``x`` [M, K] float32 times ``weight`` [N, K] transposed: [M, N] float32.
 
     Raises ValueError for a 4-bit weight in groups other than 32 or an ``x`` that is not
@@ -58,7 +58,7 @@ def block_matmul_cpu(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     return module.block_matmul(x, weight.packed, weight.scales, weight.minimums, bits)
 
 
-def block_dequantize_cpu(weight: BlockWeight) -> torch.Tensor:
+def block_dequantize_cpu(weight: PackedBlockWeight) -> torch.Tensor:
     """``weight`` [N, K] as float32. Raises ValueError for a 4-bit weight in groups other than 32."""
     bits = _bits(weight)
     module = cpu_kernels()
@@ -67,7 +67,7 @@ def block_dequantize_cpu(weight: BlockWeight) -> torch.Tensor:
     return module.block_dequantize(weight.packed, weight.scales, weight.minimums, bits)
 
 
-def _bits(weight: BlockWeight) -> int:
+def _bits(weight: PackedBlockWeight) -> int:
     if isinstance(weight, Int8BlockWeight):
         return 8
     if weight.group != GROUP:

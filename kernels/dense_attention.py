@@ -45,13 +45,13 @@ class DenseAttentionStep:
     decode_rows: DecodeRows | None = None
 
     @staticmethod
-    def over(positions: torch.Tensor, end: int, buffer_rows: int, head_dim: int,
-             dtype: torch.dtype) -> "DenseAttentionStep":
-        """The step for ``positions`` over a buffer of ``buffer_rows`` rows of ``head_dim``
-        ``dtype`` values: on the decode kernel when it is built for them, the step is short,
-        and the buffer is whole blocks on the CPU."""
-        usable = (len(positions) <= DECODE_MAX_TOKENS and buffer_rows % DECODE_BLOCK == 0
-                  and positions.device.type == "cpu" and supports(head_dim, dtype))
+    def over(positions: torch.Tensor, end: int, k_cache: torch.Tensor) -> "DenseAttentionStep":
+        """The step for ``positions`` over buffers shaped like ``k_cache`` [rows, kv_heads,
+        head_dim]: on the decode kernel when it is built for them, the step is short, and the
+        buffer is whole blocks on the CPU."""
+        rows, _, head_dim = k_cache.shape
+        usable = (len(positions) <= DECODE_MAX_TOKENS and rows % DECODE_BLOCK == 0
+                  and k_cache.device.type == "cpu" and supports(head_dim, k_cache.dtype))
         if not usable:
             return DenseAttentionStep(positions, end)
         blocks = -(-end // DECODE_BLOCK)

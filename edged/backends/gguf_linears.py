@@ -17,10 +17,10 @@ import torch
 
 from edged.backends.quantize import BlockLinear
 from edged.carry_blocks import gguf_block_weights
-from edged.gguf_blocks import BlockWeight
-from kernels.block_matmul_cpu import Int8BlockWeight
+from edged.gguf_blocks import BLOCK, BlockWeight
+from kernels.block_matmul_cpu import Int8BlockWeight, PackedBlockWeight
 from kernels.triton_int4_matmul import Int4Weight
-from shared.model.llama import LlamaModel
+from shared.model.llama import LlamaModel, projection_sources
 
 
 def carry_gguf_linears(model: LlamaModel, gguf_path: Path) -> int:
@@ -29,7 +29,7 @@ def carry_gguf_linears(model: LlamaModel, gguf_path: Path) -> int:
     _, blocks = gguf_block_weights(gguf_path)
     device = model.embed_tokens.weight.device
     carried = 0
-    for module_name, sources in _linear_sources(model).items():
+    for module_name, sources in projection_sources(model.config).items():
         if any(name not in blocks for name in sources):
             continue
         try:
@@ -46,22 +46,10 @@ def carry_gguf_linears(model: LlamaModel, gguf_path: Path) -> int:
     return carried
 
 
-def _linear_sources(model: LlamaModel) -> dict[str, list[str]]:
-    """Module name -> the HF weights it multiplies by, stacked along output rows."""
-    config = model.config
-    out = {"lm_head": ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]}
-    for i in range(config.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        out[f"layers.{i}.self_attn.qkv_proj"] = [f"{attn}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
-        out[f"layers.{i}.self_attn.o_proj"] = [f"{attn}.o_proj.weight"]
-        out[f"layers.{i}.mlp.gate_up_proj"] = [f"{mlp}.{p}.weight" for p in ("gate_proj", "up_proj")]
-        out[f"layers.{i}.mlp.down_proj"] = [f"{mlp}.down_proj.weight"]
-    return out
-
-
-def _kernel_form(weight: BlockWeight) -> Int4Weight | Int8BlockWeight:
+def _kernel_form(weight: BlockWeight) -> PackedBlockWeight:
+    """The GGUF-side blocks (numpy) in the torch form the kernels read."""
     codes = torch.from_numpy(weight.codes)
     scales, minimums = torch.from_numpy(weight.scales), torch.from_numpy(weight.minimums())
     if weight.bits == 4:
-        return Int4Weight.from_codes(codes, scales, minimums, 32)
-    return Int8BlockWeight(codes.contiguous(), scales.contiguous(), minimums.contiguous())
+        return Int4Weight.from_codes(codes, scales, minimums, BLOCK)
+    return Int8BlockWeight(codes, scales, minimums)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.block_matmul_cpu import BlockWeight, Int8BlockWeight, block_dequantize_cpu, block_matmul_cpu
+from kernels.block_matmul_cpu import Int8BlockWeight, PackedBlockWeight, block_dequantize_cpu, block_matmul_cpu
 from kernels.triton_int4_matmul import Int4Weight, int4_matmul
 from kernels.triton_int8_matmul import int8_matmul
 
@@ -95,14 +95,13 @@ class BlockLinear(QuantizedLinear):
     or 8-bit (``Int8BlockWeight``). On a GPU the 4-bit form runs the Triton GEMV/GEMM and the
     8-bit form is dequantized for each call."""
 
-    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: PackedBlockWeight, bias: torch.Tensor | None = None):
         out_features, columns = weight.packed.shape
         super().__init__(columns * (2 if isinstance(weight, Int4Weight) else 1), out_features, bias)
         self.group = weight.group if isinstance(weight, Int4Weight) else None  # None: 8-bit codes
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("minimums", weight.minimums)
-        self._block_weight: BlockWeight | None = None  # over the current buffers (see _apply)
 
     @staticmethod
     def quantize(linear: nn.Linear, group: int = INT4_GROUP) -> "BlockLinear":
@@ -115,16 +114,11 @@ class BlockLinear(QuantizedLinear):
         return BlockLinear(Int4Weight.quantize(linear.weight.detach(), group), linear.bias)
 
     @property
-    def block_weight(self) -> BlockWeight:
-        """The weight over this layer's buffers (built once; again after ``.to()`` moves them)."""
-        if self._block_weight is None:
-            self._block_weight = (Int8BlockWeight(self.packed, self.scales, self.minimums) if self.group is None
-                                  else Int4Weight(self.packed, self.scales, self.minimums, self.group))
-        return self._block_weight
-
-    def _apply(self, fn, recurse=True):
-        self._block_weight = None  # the buffers are replaced
-        return super()._apply(fn, recurse)
+    def block_weight(self) -> PackedBlockWeight:
+        """The weight over this layer's buffers (wherever ``.to()`` has moved them)."""
+        if self.group is None:
+            return Int8BlockWeight(self.packed, self.scales, self.minimums)
+        return Int4Weight(self.packed, self.scales, self.minimums, self.group)
 
     def matmul(self, flat: torch.Tensor) -> torch.Tensor:
         weight = self.block_weight

@@ -100,8 +100,7 @@ class TorchBackend:
         """Tokens ``start .. start + n - 1`` over the buffer: one extend segment of the Triton
         kernels (its block table the buffer's first blocks), or dense attention."""
         if not self.triton:
-            k_cache = self.kv[0][0]
-            return DenseAttentionStep.over(positions, start + n, k_cache.shape[0], k_cache.shape[2], k_cache.dtype)
+            return DenseAttentionStep.over(positions, start + n, self.kv[0][0])
         blocks = list(range(-(-(start + n) // GPU_BLOCK)))
         return TritonAttentionStep(TritonAttentionMetadata.build(
             [], [], [(blocks, start, n)], list(range(start, start + n)), GPU_BLOCK, self._pools[0][0].shape[2],

@@ -317,29 +317,36 @@ class LlamaModel(nn.Module):
             own[name].copy_(tensor)
 
 
+def projection_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """This model's linear layers (module names) -> the HF weights each multiplies by, stacked
+    along its output rows (q/k/v and gate/up fused). A tied LM head multiplies by the embeddings."""
+    sources = {"lm_head": ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]}
+    for i in range(config.num_layers):
+        hf, own = f"model.layers.{i}.", f"layers.{i}."
+        sources[own + "self_attn.qkv_proj"] = [f"{hf}self_attn.{p}_proj.weight" for p in "qkv"]
+        sources[own + "self_attn.o_proj"] = [hf + "self_attn.o_proj.weight"]
+        sources[own + "mlp.gate_up_proj"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        sources[own + "mlp.down_proj"] = [hf + "mlp.down_proj.weight"]
+    return sources
+
+
 def _fuse_hf_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig):
     """HF parameter names -> this module's names (q/k/v and gate/up concatenated)."""
     fused: dict[str, torch.Tensor] = {
         "embed_tokens.weight": weights["model.embed_tokens.weight"],
         "norm.weight": weights["model.norm.weight"],
     }
-    if not config.tie_word_embeddings:
-        fused["lm_head.weight"] = weights["lm_head.weight"]
+    for module, sources in projection_sources(config).items():
+        if module == "lm_head" and config.tie_word_embeddings:
+            continue  # the embeddings' own tensor
+        parts = [weights[name] for name in sources]
+        fused[module + ".weight"] = torch.cat(parts) if len(parts) > 1 else parts[0]
     for i in range(config.num_layers):
         hf, own = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        fused[own + "self_attn.qkv_proj.weight"] = torch.cat(
-            [weights[f"{attn}{p}_proj.weight"] for p in "qkv"]
-        )
         if config.attention_bias:
             fused[own + "self_attn.qkv_proj.bias"] = torch.cat(
-                [weights[f"{attn}{p}_proj.bias"] for p in "qkv"]
+                [weights[f"{hf}self_attn.{p}_proj.bias"] for p in "qkv"]
             )
-        fused[own + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-        fused[own + "mlp.gate_up_proj.weight"] = torch.cat(
-            [weights[hf + "mlp.gate_proj.weight"], weights[hf + "mlp.up_proj.weight"]]
-        )
-        fused[own + "mlp.down_proj.weight"] = weights[hf + "mlp.down_proj.weight"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             fused[f"{own}{norm}.weight"] = weights[f"{hf}{norm}.weight"]
     return fused

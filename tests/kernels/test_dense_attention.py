@@ -31,7 +31,7 @@ def test_short_steps_on_the_decode_kernel_match_the_reference(tokens, start, kv_
     q = torch.randn(tokens, kv_heads * group, head_dim, generator=generator)
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=generator) for _ in range(2))
     positions = torch.arange(start, start + tokens)
-    step = DenseAttentionStep.over(positions, start + tokens, rows, head_dim, torch.float32)
+    step = DenseAttentionStep.over(positions, start + tokens, cache[0])
     assert step.decode_rows is not None
     out, k_cache, v_cache = _attend(step, q, k, v, cache)
     expected, k_expected, v_expected = _attend(DenseAttentionStep(positions, start + tokens), q, k, v, cache)
@@ -41,5 +41,6 @@ def test_short_steps_on_the_decode_kernel_match_the_reference(tokens, start, kv_
 
 def test_long_steps_and_partial_buffers_keep_the_reference_path():
     positions = torch.arange(0, DECODE_MAX_TOKENS + 1)
-    assert DenseAttentionStep.over(positions, len(positions), 4 * DECODE_BLOCK, 64, torch.float32).decode_rows is None
-    assert DenseAttentionStep.over(positions[:1], 1, 4 * DECODE_BLOCK + 1, 64, torch.float32).decode_rows is None
+    whole_blocks, partial = torch.zeros(4 * DECODE_BLOCK, 2, 64), torch.zeros(4 * DECODE_BLOCK + 1, 2, 64)
+    assert DenseAttentionStep.over(positions, len(positions), whole_blocks).decode_rows is None
+    assert DenseAttentionStep.over(positions[:1], 1, partial).decode_rows is None
