@@ -48,14 +48,14 @@ def block_matmul_cpu(x: torch.Tensor, weight: PackedBlockWeight) -> torch.Tensor
     [M, K] float32 (contiguous; the kernel's own checks, called once per projection of a
     forward, so kept in C++).
     """
-    bits = _bits(weight)
     module = cpu_kernels()
     if module is None:
+        bits = _bits(weight)
         k = weight.packed.shape[1] * 8 // bits
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"block_matmul: x must be [M, {k}], got {list(x.shape)}")
         return x.float() @ weight.dequantize(torch.float32).T
-    return module.block_matmul(x, weight.packed, weight.scales, weight.minimums, bits)
+    return module.block_matmul(x, *kernel_args(weight))
 
 
 def block_dequantize_cpu(weight: PackedBlockWeight) -> torch.Tensor:
@@ -65,6 +65,12 @@ def block_dequantize_cpu(weight: PackedBlockWeight) -> torch.Tensor:
     if module is None:
         return weight.dequantize(torch.float32)
     return module.block_dequantize(weight.packed, weight.scales, weight.minimums, bits)
+
+
+def kernel_args(weight: PackedBlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(packed, scales, minimums, bits)``: the form the C++ kernels take a block weight in.
+    Raises ValueError for a 4-bit weight in groups other than 32."""
+    return weight.packed, weight.scales, weight.minimums, _bits(weight)
 
 
 def _bits(weight: PackedBlockWeight) -> int:

@@ -20,7 +20,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "block_matmul_cpu.cpp", "bindings.cpp")
+SOURCES = ("paged_decode_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "block_matmul_cpu.cpp", "block_layer_cpu.cpp",
+           "bindings.cpp")
 
 
 @functools.cache

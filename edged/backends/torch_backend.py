@@ -8,7 +8,8 @@ once as a CUDA graph at start-up and replayed (static input id, position and con
 Otherwise ``kernels.dense_attention`` runs eagerly (short steps on the CPU decode kernel, the
 buffer then whole ``DECODE_BLOCK``-row blocks). Weights can be int8 or int4
 (``edged.backends.quantize``: on a CPU int4 reads its 4-bit weights in place,
-``kernels.block_matmul_cpu``; Triton GEMV/GEMM on a GPU).
+``kernels.block_matmul_cpu``, and short forwards run each layer's dense halves in one C++ call,
+``edged.backends.block_layers``; Triton GEMV/GEMM on a GPU).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import numpy as np
 import torch
 
 from edged.backends.base import KVSnapshot
+from edged.backends.block_layers import BLOCK_LAYERS_CPU
 from edged.backends.gguf_linears import carry_gguf_linears
 from edged.backends.quantize import quantize_linears
+from kernels.cpu_extension import cpu_kernels
 from kernels.dense_attention import DECODE_BLOCK, DenseAttentionStep
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
 from kernels.triton_decode_attention import DecodePlan, launch_programs, splits_for
@@ -67,6 +70,8 @@ class TorchBackend:
                                       for k, v in self.kv] if self.triton else self.kv
         if self.triton:
             self.model.layer_functions = TRITON_LAYERS
+        elif quant == "int4" and self.device.type == "cpu" and cpu_kernels() is not None:
+            self.model.layer_functions = BLOCK_LAYERS_CPU
         self._programs = launch_programs(self.device)  # the Triton decode launch's target
         self._graph: _DecodeGraph | None = None
         if self.triton and self.device.type == "cuda" and cuda_graph:

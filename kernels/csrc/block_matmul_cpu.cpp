@@ -18,6 +18,7 @@
 // a 576 x 1536 projection 60-95 us for one row (ONNX Runtime's float-activation MatMulNBits
 // 118-140 us), then ~37 us a further row.
 
+#include "block_weight.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -205,9 +206,10 @@ void dequantize(const uint8_t* packed, const float* scales, const float* minimum
   });
 }
 
-// The weight's tensors as block_matmul and block_dequantize take them; returns K.
-int64_t check_weight(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& minimums,
-                     int64_t bits) {
+}  // namespace
+
+BlockWeightView block_weight_view(const torch::Tensor& packed, const torch::Tensor& scales,
+                                  const torch::Tensor& minimums, int64_t bits) {
   TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                         packed.device().is_cpu(),
@@ -219,38 +221,36 @@ int64_t check_weight(const torch::Tensor& packed, const torch::Tensor& scales, c
                           t.size(0) == packed.size(0) && t.size(1) == k / kGroup && t.device().is_cpu(),
                       "scales and minimums: [N, K / 32] float32, contiguous, on the CPU");
   }
-  return k;
+  return {packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), minimums.data_ptr<float>(), packed.size(0), k, bits};
 }
 
-}  // namespace
+void block_matmul_into(const float* x, int64_t rows, const BlockWeightView& w, float* y) {
+  if (rows == 0 || w.n == 0) return;
+  std::vector<float> reordered;
+  if (w.bits == 4) {
+    reordered.resize(rows * w.k);
+    reorder_columns(x, rows, w.k, reordered.data());
+    x = reordered.data();
+  }
+  const auto run = w.bits == 4 ? matmul<4> : matmul<8>;
+  run(x, w.packed, w.scales, w.minimums, rows, w.k, w.n, y);
+}
 
 torch::Tensor block_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums, int64_t bits) {
-  const int64_t k = check_weight(packed, scales, minimums, bits), n_total = packed.size(0);
-  auto w = torch::empty({n_total, k}, scales.options());
+  const BlockWeightView w = block_weight_view(packed, scales, minimums, bits);
+  auto out = torch::empty({w.n, w.k}, scales.options());
   const auto run = bits == 4 ? dequantize<4> : dequantize<8>;
-  run(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), minimums.data_ptr<float>(), k, n_total,
-      w.data_ptr<float>());
-  return w;
+  run(w.packed, w.scales, w.minimums, w.k, w.n, out.data_ptr<float>());
+  return out;
 }
 
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums,
                            int64_t bits) {
-  const int64_t k = check_weight(packed, scales, minimums, bits), n_total = packed.size(0);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+  const BlockWeightView w = block_weight_view(packed, scales, minimums, bits);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.k && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
                         x.device().is_cpu(),
-                    "block_matmul: x must be [M, ", k, "] float32, contiguous, on the CPU");
-  const int64_t rows = x.size(0);
-  auto y = torch::empty({rows, n_total}, x.options());
-  if (rows == 0 || n_total == 0) return y;
-  const float* xs = x.data_ptr<float>();
-  std::vector<float> reordered;
-  if (bits == 4) {
-    reordered.resize(rows * k);
-    reorder_columns(xs, rows, k, reordered.data());
-    xs = reordered.data();
-  }
-  const auto run = bits == 4 ? matmul<4> : matmul<8>;
-  run(xs, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), minimums.data_ptr<float>(), rows, k, n_total,
-      y.data_ptr<float>());
+                    "block_matmul: x must be [M, ", w.k, "] float32, contiguous, on the CPU");
+  auto y = torch::empty({x.size(0), w.n}, x.options());
+  block_matmul_into(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>());
   return y;
 }

@@ -26,3 +26,17 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperatures, torch::Te
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums,
                            int64_t bits);
 torch::Tensor block_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums, int64_t bits);
+
+// A block weight as Python passes it: (packed, scales, minimums, bits), as block_matmul takes them.
+using BlockWeightArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
+
+// A decoder layer's dense halves over block weights for a few rows (block_layer_cpu.cpp):
+// RMSNorm, the QKV projection and rotary; the output projection, residual, RMSNorm, SwiGLU MLP
+// and residual.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
+    torch::Tensor x, torch::Tensor norm_weight, double eps, BlockWeightArgs qkv,
+    std::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+    int64_t num_kv_heads);
+torch::Tensor block_attention_outputs(torch::Tensor x, torch::Tensor attended, BlockWeightArgs o,
+                                      torch::Tensor norm_weight, double eps, BlockWeightArgs gate_up,
+                                      BlockWeightArgs down);

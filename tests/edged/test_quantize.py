@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from edged.backends.quantize import INT4_GROUP, BlockLinear, Int8Linear, quantize_linears
+from kernels.cpu_extension import cpu_kernels
+from shared.model.llama import EAGER
 
 
 def reference_int8(w: torch.Tensor) -> torch.Tensor:
@@ -94,6 +96,24 @@ def test_int4_from_a_gguf_runs_its_own_blocks(default_checkpoint, default_model_
     float_rows = TorchBackend(default_checkpoint, 1024, "none").forward_rows(plan_prompt, 0)
     agreement = (backend.forward_rows(plan_prompt, 0).argmax(-1) == float_rows.argmax(-1)).float().mean().item()
     assert agreement >= 0.99, agreement
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU extension cannot be built here")
+def test_short_int4_forwards_run_each_layer_in_one_fused_call(default_checkpoint, default_model_path, plan_prompt):
+    """A decode step with drafts runs the fused layers (``edged.backends.block_layers``): its
+    logits are the plain layer functions' to rounding, and its first row is the one-token
+    forward's bit for bit (speculation never changes a token)."""
+    from edged.backends.block_layers import BLOCK_LAYERS_CPU
+    from edged.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend(default_checkpoint, 1024, "int4", blocks_from=default_model_path)
+    assert backend.model.layer_functions is BLOCK_LAYERS_CPU
+    start = len(plan_prompt) - 6
+    backend.forward_rows(plan_prompt[:start], 0)  # a prefill: the plain functions (more than 32 rows)
+    fused = backend.forward_rows(plan_prompt[start:], start)
+    assert torch.equal(backend.forward(plan_prompt[start:start + 1], start), fused[0])
+    backend.model.layer_functions = EAGER
+    torch.testing.assert_close(fused, backend.forward_rows(plan_prompt[start:], start), atol=1e-3, rtol=1e-3)
 
 
 def test_a_block_layer_s_weight_follows_its_buffers_when_moved():

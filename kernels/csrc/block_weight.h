@@ -1,0 +1,25 @@
+// A weight quantized in blocks of 32 input columns (w = scale * code + minimum, 4- or 8-bit
+// codes) as the block kernels read it, shared by block_matmul_cpu.cpp and block_layer_cpu.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+struct BlockWeightView {
+  const uint8_t* packed;   // [n, k * bits / 8]
+  const float* scales;     // [n, k / 32]
+  const float* minimums;   // [n, k / 32]
+  int64_t n;               // outputs
+  int64_t k;               // inputs, a multiple of 32
+  int64_t bits;            // 4 or 8
+};
+
+// The view of a block weight's tensors; ValueError (TORCH_CHECK_VALUE) unless packed is
+// [N, K * bits / 8] uint8 and scales and minimums [N, K / 32] float32, contiguous, on the CPU.
+BlockWeightView block_weight_view(const torch::Tensor& packed, const torch::Tensor& scales,
+                                  const torch::Tensor& minimums, int64_t bits);
+
+// y [rows, w.n] = x [rows, w.k] @ W^T (x and y float32, contiguous). A row's result is the same
+// bit for bit whatever `rows` is.
+void block_matmul_into(const float* x, int64_t rows, const BlockWeightView& w, float* y);
