@@ -34,7 +34,7 @@ import torch
 
 from edged.backends.base import Batch1Backend
 from edged.pinned import PinnedKVStore, PinnedPrompt
-from edged.speculation import NgramDrafter, SpeculationConfig, recent_outputs, remember
+from edged.speculation import DraftWindow, NgramDrafter, SpeculationConfig, recent_outputs, remember
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import GrammarState, MaskBatch
@@ -141,6 +141,8 @@ class Batch1Generator:
         job.prefilled_tokens += len(context) - reused
         drafter = NgramDrafter(self.speculation, context, self.history) if self.speculation.enabled else None
         drafts: list[int] = []  # verified by ``rows``: rows[i] follows drafts[i - 1]
+        window = DraftWindow(self.speculation.max_draft)
+        sent = 0  # drafts the last forward carried
         while True:
             if cancelled():
                 return self._end(job, FinishReason.ABORT, emit)
@@ -165,18 +167,20 @@ class Batch1Generator:
                 job.accepted_drafts += 1
                 self.held.append(token)
                 continue
-            drafts = self._draft(job, drafter)
+            window.verified(sent, confirmed=sent - len(drafts))
+            drafts = self._draft(job, drafter, window.size)
+            sent = len(drafts)
             rows = list(forward_tokens(self.backend, [token, *drafts], len(self.held),
                                        self.held[-1] if self.held else None, True))
             self.held.append(token)
 
-    def _draft(self, job: LocalJob, drafter: NgramDrafter | None) -> list[int]:
-        """Tokens to verify after the one just sampled: an n-gram lookup, or where the grammar
-        forces text next (jump-forward) and the lookup's text does not agree with it, that
-        text's tokens and a lookup after them; [] without speculation or room."""
+    def _draft(self, job: LocalJob, drafter: NgramDrafter | None, limit: int) -> list[int]:
+        """At most ``limit`` tokens to verify after the one just sampled: an n-gram lookup, or
+        where the grammar forces text next (jump-forward) and the lookup's text does not agree
+        with it, that text's tokens and a lookup after them; [] without speculation or room."""
         if drafter is None:
             return []
-        room = min(self.speculation.max_draft, job.params.max_tokens - len(job.generated) - 1,
+        room = min(limit, job.params.max_tokens - len(job.generated) - 1,
                    self.backend.max_len - len(self.held) - 2)
         if room <= 0:
             return []

@@ -29,6 +29,23 @@ class SpeculationConfig:
             raise ValueError("speculation: max_draft >= 1, 1 <= min_ngram <= max_ngram, history_tokens >= 0")
 
 
+class DraftWindow:
+    """How many draft tokens the next forward may carry. Every draft token costs a row of the
+    forward whether or not it is confirmed, so the window follows what the job's drafts earn:
+    after a forward whose drafts were all confirmed it doubles (up to ``limit``); after a
+    refusal it is what was confirmed plus one. A plan's repeated text (a step like the one
+    before, the JSON between values) gets long drafts, free text short ones."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = limit
+
+    def verified(self, sent: int, confirmed: int) -> None:
+        """The last forward carried ``sent`` drafts, of which sampling confirmed the first ``confirmed``."""
+        if sent:
+            self.size = min(self.limit, 2 * self.size) if confirmed == sent else confirmed + 1
+
+
 class NgramIndex:
     """A growing token sequence and, per n-gram (``n = 1 .. max_n``), where it last ended.
 

@@ -9,7 +9,7 @@ import torch
 
 from edged.backends.torch_backend import TorchBackend
 from edged.generation import Batch1Generator, LocalJob
-from edged.speculation import SpeculationConfig
+from edged.speculation import DraftWindow, SpeculationConfig
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
@@ -192,3 +192,24 @@ def test_a_backend_that_is_not_row_exact_never_gets_one_token_alone(default_chec
     gen = Batch1Generator(recording, tok, compiler, speculation=speculation)
     assert run(gen, job(tok, plan_prompt)) == expected
     assert len(recording.sizes) > 1 and all(n >= 2 for n, start in recording.sizes if start > 0)
+
+
+class _RecordingBackend(_RowPathBackend):
+    """The torch backend as it is (row-exact), recording how many tokens each forward sends."""
+
+    row_exact = True
+
+
+def test_each_forward_carries_no_more_drafts_than_the_last_ones_earned(default_checkpoint, backend, compiler,
+                                                                        plan_prompt):
+    """The draft window (``edged.speculation.DraftWindow``) bounds every forward's drafts by
+    what the forward before confirmed; free text refuses some, so it shrinks."""
+    tok = default_checkpoint.tokenizer
+    recording = _RecordingBackend(backend)
+    run(Batch1Generator(recording, tok, compiler), job(tok, plan_prompt, max_tokens=48))
+    decode = recording.sizes[1:]  # (tokens, start) of each forward after the prefill
+    window = DraftWindow(SpeculationConfig().max_draft)
+    for (tokens, start), (next_tokens, next_start) in zip(decode, decode[1:]):
+        window.verified(tokens - 1, confirmed=next_start - start - 1)
+        assert next_tokens - 1 <= window.size
+    assert min(tokens for tokens, _ in decode[1:]) - 1 < SpeculationConfig().max_draft

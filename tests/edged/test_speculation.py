@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edged.speculation import NgramDrafter, NgramIndex, SpeculationConfig, recent_outputs, remember
+from edged.speculation import DraftWindow, NgramDrafter, NgramIndex, SpeculationConfig, recent_outputs, remember
 
 
 def naive_follow(tokens: list[int], suffix: list[int], limit: int) -> list[int]:
@@ -73,3 +73,27 @@ def test_history_keeps_the_newest_tokens():
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="speculation"):
         SpeculationConfig(**bad)
+
+
+def test_the_draft_window_follows_what_drafts_earn():
+    window = DraftWindow(12)
+    assert window.size == 12
+    window.verified(sent=12, confirmed=3)  # refused after three: the next forward risks four
+    assert window.size == 4
+    window.verified(sent=4, confirmed=4)  # all confirmed: twice as many
+    assert window.size == 8
+    window.verified(sent=8, confirmed=8)
+    assert window.size == 12  # never past the limit
+    window.verified(sent=12, confirmed=0)
+    assert window.size == 1  # a refused first draft still lets one through
+    window.verified(sent=0, confirmed=0)  # a forward without drafts says nothing
+    assert window.size == 1
+
+
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=30))
+def test_the_draft_window_stays_between_one_and_its_limit(forwards):
+    window = DraftWindow(12)
+    for sent, confirmed in forwards:
+        sent = min(sent, window.size)
+        window.verified(sent, min(confirmed, sent))
+        assert 1 <= window.size <= 12
