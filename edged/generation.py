@@ -34,7 +34,8 @@ import torch
 
 from edged.backends.base import Batch1Backend
 from edged.pinned import PinnedKVStore, PinnedPrompt
-from edged.speculation import DraftWindow, NgramDrafter, SpeculationConfig, recent_outputs, remember
+from edged.speculation import (Confirmations, ForwardCosts, NgramDrafter, SpeculationConfig, draft_length,
+                               recent_outputs, remember)
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import GrammarState, MaskBatch
@@ -99,6 +100,7 @@ class Batch1Generator:
         self.held: list[int] = []  # tokens whose K/V the buffer holds at positions 0..len-1
         self.speculation = speculation
         self.history = recent_outputs(speculation)  # the robot's recent outputs, for drafts
+        self.forward_costs = ForwardCosts()  # the backend's decode forwards, timed by token count
         self.drafted_tokens = 0  # over finished jobs: drafts verified, and those sampling confirmed
         self.accepted_drafts = 0
 
@@ -141,7 +143,7 @@ class Batch1Generator:
         job.prefilled_tokens += len(context) - reused
         drafter = NgramDrafter(self.speculation, context, self.history) if self.speculation.enabled else None
         drafts: list[int] = []  # verified by ``rows``: rows[i] follows drafts[i - 1]
-        window = DraftWindow(self.speculation.max_draft)
+        confirmations = Confirmations()
         sent = 0  # drafts the last forward carried
         while True:
             if cancelled():
@@ -167,20 +169,24 @@ class Batch1Generator:
                 job.accepted_drafts += 1
                 self.held.append(token)
                 continue
-            window.verified(sent, confirmed=sent - len(drafts))
-            drafts = self._draft(job, drafter, window.size)
+            confirmations.verified(sent, confirmed=sent - len(drafts))
+            drafts = self._draft(job, drafter, confirmations.p)
             sent = len(drafts)
+            began = time.perf_counter()
             rows = list(forward_tokens(self.backend, [token, *drafts], len(self.held),
                                        self.held[-1] if self.held else None, True))
+            self.forward_costs.record(1 + sent, time.perf_counter() - began)
             self.held.append(token)
 
-    def _draft(self, job: LocalJob, drafter: NgramDrafter | None, limit: int) -> list[int]:
-        """At most ``limit`` tokens to verify after the one just sampled: an n-gram lookup, or
-        where the grammar forces text next (jump-forward) and the lookup's text does not agree
-        with it, that text's tokens and a lookup after them; [] without speculation or room."""
+    def _draft(self, job: LocalJob, drafter: NgramDrafter | None, p: float) -> list[int]:
+        """Tokens to verify after the one just sampled: an n-gram lookup, or where the grammar
+        forces text next (jump-forward) and the lookup's text does not agree with it, that
+        text's tokens and a lookup after them; as many of them as pay for their rows at the
+        job's confirmation rate ``p`` (``edged.speculation.draft_length``); [] without
+        speculation or room."""
         if drafter is None:
             return []
-        room = min(limit, job.params.max_tokens - len(job.generated) - 1,
+        room = min(self.speculation.max_draft, job.params.max_tokens - len(job.generated) - 1,
                    self.backend.max_len - len(self.held) - 2)
         if room <= 0:
             return []
@@ -191,6 +197,7 @@ class Batch1Generator:
             # token boundaries), so the n-gram draft wins whenever its text agrees with it.
             drafts = self.tokenizer.encode(forced)[:room]
             drafts += drafter.draft(room - len(drafts), after=drafts) if len(drafts) < room else []
+        drafts = drafts[:draft_length(len(drafts), p, self.forward_costs)]
         job.drafted_tokens += len(drafts)
         return drafts
 

@@ -9,7 +9,7 @@ import torch
 
 from edged.backends.torch_backend import TorchBackend
 from edged.generation import Batch1Generator, LocalJob
-from edged.speculation import DraftWindow, SpeculationConfig
+from edged.speculation import ForwardCosts, SpeculationConfig
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
@@ -194,22 +194,37 @@ def test_a_backend_that_is_not_row_exact_never_gets_one_token_alone(default_chec
     assert len(recording.sizes) > 1 and all(n >= 2 for n, start in recording.sizes if start > 0)
 
 
-class _RecordingBackend(_RowPathBackend):
-    """The torch backend as it is (row-exact), recording how many tokens each forward sends."""
 
-    row_exact = True
+class _FixedCosts(ForwardCosts):
+    """Forward costs given, not measured (tests must not depend on timing)."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        super().__init__()
+        self._seconds = dict(seconds)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        pass
 
 
-def test_each_forward_carries_no_more_drafts_than_the_last_ones_earned(default_checkpoint, backend, compiler,
-                                                                        plan_prompt):
-    """The draft window (``edged.speculation.DraftWindow``) bounds every forward's drafts by
-    what the forward before confirmed; free text refuses some, so it shrinks."""
+@pytest.mark.parametrize("second_token_costs", [1.0, 10.0], ids=["cheap-rows", "dear-rows"])
+def test_drafts_go_only_where_their_rows_pay(default_checkpoint, backend, compiler, plan_prompt, second_token_costs):
+    """Where a forward's extra rows cost next to nothing every draft goes; where a second token
+    costs ten times the first, a job confirming half its drafts sends none (same tokens)."""
     tok = default_checkpoint.tokenizer
-    recording = _RecordingBackend(backend)
-    run(Batch1Generator(recording, tok, compiler), job(tok, plan_prompt, max_tokens=48))
-    decode = recording.sizes[1:]  # (tokens, start) of each forward after the prefill
-    window = DraftWindow(SpeculationConfig().max_draft)
-    for (tokens, start), (next_tokens, next_start) in zip(decode, decode[1:]):
-        window.verified(tokens - 1, confirmed=next_start - start - 1)
-        assert next_tokens - 1 <= window.size
-    assert min(tokens for tokens, _ in decode[1:]) - 1 < SpeculationConfig().max_draft
+    expected = run(generator(backend, default_checkpoint, compiler), job(tok, plan_prompt, max_tokens=48))
+    gen = Batch1Generator(backend, tok, compiler)
+    gen.forward_costs = _FixedCosts({1: 1.0, 2: second_token_costs})
+    j = job(tok, plan_prompt, max_tokens=48)
+    assert run(gen, j) == expected
+    assert (j.drafted_tokens > 0) == (second_token_costs == 1.0)
+
+
+def test_the_generator_times_its_decode_forwards(default_checkpoint, backend, compiler, plan_prompt):
+    tok = default_checkpoint.tokenizer
+    recording = _RowPathBackend(backend)
+    recording.row_exact = True
+    gen = Batch1Generator(recording, tok, compiler)
+    run(gen, job(tok, plan_prompt, max_tokens=24))
+    sizes = {tokens for tokens, _ in recording.sizes[1:]}  # after the prefill
+    assert sizes and all(gen.forward_costs.of(n) > 0 for n in sizes)
+    assert set(gen.forward_costs._seconds) == sizes

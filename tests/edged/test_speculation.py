@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edged.speculation import DraftWindow, NgramDrafter, NgramIndex, SpeculationConfig, recent_outputs, remember
+from edged.speculation import (Confirmations, ForwardCosts, NgramDrafter, NgramIndex, SpeculationConfig, draft_length,
+                               recent_outputs, remember)
 
 
 def naive_follow(tokens: list[int], suffix: list[int], limit: int) -> list[int]:
@@ -75,25 +76,64 @@ def test_bad_config_is_refused(bad):
         SpeculationConfig(**bad)
 
 
-def test_the_draft_window_follows_what_drafts_earn():
-    window = DraftWindow(12)
-    assert window.size == 12
-    window.verified(sent=12, confirmed=3)  # refused after three: the next forward risks four
-    assert window.size == 4
-    window.verified(sent=4, confirmed=4)  # all confirmed: twice as many
-    assert window.size == 8
-    window.verified(sent=8, confirmed=8)
-    assert window.size == 12  # never past the limit
-    window.verified(sent=12, confirmed=0)
-    assert window.size == 1  # a refused first draft still lets one through
-    window.verified(sent=0, confirmed=0)  # a forward without drafts says nothing
-    assert window.size == 1
+
+def costs_of(seconds: dict[int, float]) -> ForwardCosts:
+    costs = ForwardCosts()
+    for tokens, value in seconds.items():
+        costs.record(tokens, value)
+    return costs
 
 
-@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=30))
-def test_the_draft_window_stays_between_one_and_its_limit(forwards):
-    window = DraftWindow(12)
-    for sent, confirmed in forwards:
-        sent = min(sent, window.size)
-        window.verified(sent, min(confirmed, sent))
-        assert 1 <= window.size <= 12
+ORT_LIKE = {1: 24.0, 2: 44.0, 4: 42.0, 8: 62.0, 13: 76.0}  # ms: ONNX Runtime's int4 graph, measured
+TORCH_LIKE = {1: 14.0, 2: 17.0, 4: 25.0, 8: 38.0, 13: 63.0}  # ms: edged's torch int4, measured
+
+
+def test_forward_costs_are_averaged_and_read_between_measurements():
+    costs = ForwardCosts()
+    assert costs.of(3) is None
+    costs.record(2, 10.0)
+    costs.record(2, 20.0)  # an exponential average: the newest weighs SMOOTHING
+    assert costs.of(2) == pytest.approx(10.0 + ForwardCosts.SMOOTHING * 10.0)
+    costs.record(6, 33.0)
+    assert costs.of(4) == pytest.approx((costs.of(2) + 33.0) / 2)  # linear between
+    assert costs.of(1) == costs.of(2) and costs.of(13) == 33.0  # flat beyond
+
+
+def test_draft_length_pays_for_the_rows_it_adds():
+    # unmeasured: every draft goes (and gets measured)
+    assert draft_length(12, 0.1, ForwardCosts()) == 12
+    # ONNX Runtime: a second token costs as much as four more; poor drafts are not worth it,
+    # good ones are worth many
+    assert draft_length(12, 0.3, costs_of(ORT_LIKE)) == 0
+    assert draft_length(12, 0.95, costs_of(ORT_LIKE)) == 12
+    # the torch backend: a row costs little, so even middling drafts go, a few at a time
+    assert 1 <= draft_length(12, 0.6, costs_of(TORCH_LIKE)) <= 3
+    assert draft_length(2, 0.95, costs_of(TORCH_LIKE)) == 2  # never more than there are
+
+
+@given(available=st.integers(0, 12), p=st.floats(0, 0.999), costs=st.sampled_from([ORT_LIKE, TORCH_LIKE]))
+def test_draft_length_is_the_best_expected_rate(available, p, costs):
+    table = costs_of(costs)
+    chosen = draft_length(available, p, table)
+
+    def rate(length: int) -> float:
+        return sum(p**i for i in range(length + 1)) / table.of(length + 1)
+
+    assert 0 <= chosen <= available
+    assert all(rate(chosen) >= rate(length) - 1e-12 for length in range(available + 1))
+
+
+def test_confirmations_follow_recent_forwards_and_recover_after_refusals():
+    confirmations = Confirmations()
+    assert confirmations.p == 0.5
+    confirmations.verified(sent=12, confirmed=12)  # a repeated step: all confirmed
+    high = confirmations.p
+    assert high > 0.9
+    confirmations.verified(sent=0, confirmed=0)  # no draft found: nothing learned
+    assert confirmations.p == high
+    for _ in range(6):
+        confirmations.verified(sent=3, confirmed=0)  # free text: refused at once
+    low = confirmations.p
+    assert low < 0.2
+    confirmations.verified(sent=0, confirmed=0)  # drafts declined: back towards 0.5, to try again
+    assert low < confirmations.p < 0.5
