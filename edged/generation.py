@@ -8,7 +8,8 @@ job records the model's own log-probability of it (before the mask) for the conf
 
 With speculation (``edged.speculation``, on by default) each forward after a sampled token
 also carries draft tokens: the text the grammar forces next (jump-forward), then what followed
-the context's last n-gram earlier in the context or in the robot's recent outputs. One forward
+the context's last n-gram earlier in the context or in the robot's recent outputs, as many as
+pay for their rows (the generator times its forwards by token count). One forward
 returns a logits row per token; the next token is sampled from the first row exactly as plain
 decoding would (same mask, same sampler, one draw per token), and while it equals the next
 draft, the following row is already computed: the draft's K/V stays and no forward is needed.

@@ -5,7 +5,9 @@ around them, and its own previous plans. The draft for the next tokens is what f
 most recent earlier occurrence of the context's last ``n`` tokens (``n`` from ``max_ngram``
 down to ``min_ngram``), looked up first in the request's own context (prompt and generated tokens), then in
 the robot's recent outputs. The generator verifies a draft in one forward and keeps the tokens
-its own sampling confirms, so drafts change speed, never output.
+its own sampling confirms, so drafts change speed, never output; how many of them a forward
+carries is what pays for their rows (``draft_length``: the backend's measured forward costs,
+``ForwardCosts``, against the job's recent confirmations, ``Confirmations``).
 """
 
 from __future__ import annotations

@@ -219,12 +219,24 @@ def test_drafts_go_only_where_their_rows_pay(default_checkpoint, backend, compil
     assert (j.drafted_tokens > 0) == (second_token_costs == 1.0)
 
 
-def test_the_generator_times_its_decode_forwards(default_checkpoint, backend, compiler, plan_prompt):
+class _RecordedCosts(ForwardCosts):
+    """Forward costs that keep every measurement's token count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: list[int] = []
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.counts.append(tokens)
+        super().record(tokens, seconds)
+
+
+def test_the_generator_times_each_decode_forward(default_checkpoint, backend, compiler, plan_prompt):
     tok = default_checkpoint.tokenizer
     recording = _RowPathBackend(backend)
     recording.row_exact = True
     gen = Batch1Generator(recording, tok, compiler)
+    gen.forward_costs = _RecordedCosts()
     run(gen, job(tok, plan_prompt, max_tokens=24))
-    sizes = {tokens for tokens, _ in recording.sizes[1:]}  # after the prefill
-    assert sizes and all(gen.forward_costs.of(n) > 0 for n in sizes)
-    assert set(gen.forward_costs._seconds) == sizes
+    assert gen.forward_costs.counts == [tokens for tokens, _ in recording.sizes[1:]]  # all but the prefill
+    assert all(gen.forward_costs.of(n) > 0 for n in gen.forward_costs.counts)
