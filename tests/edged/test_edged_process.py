@@ -254,8 +254,9 @@ def test_the_cloud_killed_mid_request_falls_back_locally_and_comes_back(fleet, e
     assert back.source.value == "cloud" and not back.degraded
     stats = client.stats(timeout_s=10)
     assert stats["fallbacks"] >= 2 and stats["cloud"]["breaker"] == "closed"
-    spec = stats["speculation"]  # the local plans were decoded with drafts (the plan grammar forces text)
-    assert spec["enabled"] and 0 < spec["accepted_drafts"] <= spec["drafted_tokens"]
+    spec = stats["speculation"]  # the local plans were decoded with drafts (the plan grammar forces text;
+    # how many were sent after the first forwards depends on their timed cost)
+    assert spec["enabled"] and 0 <= spec["accepted_drafts"] <= spec["drafted_tokens"] and spec["drafted_tokens"] > 0
 
 
 def test_a_restart_reads_the_pinned_kv_from_disk_and_gives_the_same_tokens(fleet, client):

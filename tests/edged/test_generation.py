@@ -141,19 +141,32 @@ def onnx_int4_a8(default_model_path):
     return OnnxBackend(export_onnx(default_model_path, "int4-a8"), max_len=MAX_LEN, threads=1)
 
 
+class _FixedCosts(ForwardCosts):
+    """Forward costs given, not measured (tests must not depend on timing)."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        super().__init__()
+        self._seconds = dict(seconds)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        pass
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 11}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("constrained", [False, True], ids=["text", "plan-schema"])
 @pytest.mark.parametrize("kind", ["torch", "onnx-int4-a8"])
 def test_speculation_changes_no_token(request, default_checkpoint, compiler, plan_prompt, sampling, constrained,
                                       kind):
     """Drafts (the grammar's forced text, n-grams of the prompt) are verified in one forward
-    and kept only where sampling confirms them: the same tokens as one token per forward."""
+    and kept only where sampling confirms them: the same tokens as one token per forward. Rows
+    are given as free (not timed), so every draft found goes."""
     tok = default_checkpoint.tokenizer
     backend = request.getfixturevalue("backend" if kind == "torch" else "onnx_int4_a8")
     spec = grammar_spec(fleet_plan_format()) if constrained else None
     outputs = []
     for speculation in (SpeculationConfig(enabled=False), SpeculationConfig()):
         gen = Batch1Generator(backend, tok, compiler, speculation=speculation)
+        gen.forward_costs = _FixedCosts({1: 1.0})
         j = job(tok, plan_prompt, max_tokens=48, **sampling)
         j.spec = spec
         outputs.append((run(gen, j), j))
@@ -193,17 +206,6 @@ def test_a_backend_that_is_not_row_exact_never_gets_one_token_alone(default_chec
     assert run(gen, job(tok, plan_prompt)) == expected
     assert len(recording.sizes) > 1 and all(n >= 2 for n, start in recording.sizes if start > 0)
 
-
-
-class _FixedCosts(ForwardCosts):
-    """Forward costs given, not measured (tests must not depend on timing)."""
-
-    def __init__(self, seconds: dict[int, float]) -> None:
-        super().__init__()
-        self._seconds = dict(seconds)
-
-    def record(self, tokens: int, seconds: float) -> None:
-        pass
 
 
 @pytest.mark.parametrize("second_token_costs", [1.0, 10.0], ids=["cheap-rows", "dear-rows"])
