@@ -176,7 +176,8 @@ class Batch1Generator:
             began = time.perf_counter()
             rows = list(forward_tokens(self.backend, [token, *drafts], len(self.held),
                                        self.held[-1] if self.held else None, True))
-            self.forward_costs.record(1 + sent, time.perf_counter() - began)
+            if drafter is not None:  # the costs only size drafts
+                self.forward_costs.record(1 + sent, time.perf_counter() - began)
             self.held.append(token)
 
     def _draft(self, job: LocalJob, drafter: NgramDrafter | None, p: float) -> list[int]:

@@ -87,15 +87,17 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
     std::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
     int64_t num_kv_heads) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
-  const int64_t rows = x.size(0), hidden = x.size(1), half = cos.numel() / std::max<int64_t>(rows, 1);
-  const int64_t head_dim = 2 * half, width = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t rows = x.size(0), hidden = x.size(1), heads = num_heads + 2 * num_kv_heads;
   const BlockWeightView w = view_of(qkv);
+  // the weight's rows are the heads' (q, k and v): the head size follows from them
+  TORCH_CHECK_VALUE(heads > 0 && w.k == hidden && w.n % heads == 0 && (w.n / heads) % 2 == 0,
+                    "qkv weight: [", num_heads, " + 2 x ", num_kv_heads, " heads of an even size, ", hidden,
+                    "], got [", w.n, ", ", w.k, "]");
+  const int64_t width = w.n, head_dim = width / heads, half = head_dim / 2;
   check_rows(x, rows, hidden, "x");
   check_rows(norm_weight, 1, hidden, "norm_weight");
   check_rows(cos, rows, half, "cos");
   check_rows(sin, rows, half, "sin");
-  TORCH_CHECK_VALUE(w.k == hidden && w.n == width && half > 0, "qkv weight: [", width, ", ", hidden, "] for ",
-                    num_heads, " + 2 x ", num_kv_heads, " heads of ", head_dim, ", got [", w.n, ", ", w.k, "]");
   if (qkv_bias) check_rows(*qkv_bias, 1, width, "qkv_bias");
 
   std::vector<float> normed(rows * hidden);
