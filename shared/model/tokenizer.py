@@ -39,6 +39,8 @@ class Tokenizer:
         if chat_template is not None:
             eos_ids.update(i for i in map(self._id_of, END_OF_TURN_TOKENS) if i is not None)
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        # each id's bytes where the vocabulary is byte-level (~70 ms for 49k tokens), for streaming
+        self.token_bytes: tuple[bytes, ...] | None = byte_level_table(backend)
         self._template: jinja2.Template | None = None
 
     @classmethod
@@ -97,6 +99,35 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
         return self._template
+
+
+def byte_level_table(backend: tokenizers.Tokenizer) -> tuple[bytes, ...] | None:
+    """Each id's bytes as ``decode`` (skipping special tokens) spells them, b"" for a special
+    token, where decoding is the UTF-8 of their concatenation (invalid bytes read U+FFFD): a
+    byte-level BPE vocabulary (GPT-2's ``ByteLevel`` decoder alone) whose added tokens are all
+    special. None for any other kind, whose text only ``decode`` knows."""
+    added = backend.get_added_tokens_decoder()
+    if not isinstance(backend.decoder, tokenizers.decoders.ByteLevel) or not all(t.special for t in added.values()):
+        return None
+    table = [b""] * backend.get_vocab_size(with_added_tokens=True)
+    for token, i in backend.get_vocab(with_added_tokens=True).items():
+        if i not in added:
+            if not all(c in _BYTE_OF_CHAR for c in token):
+                return None
+            table[i] = bytes(_BYTE_OF_CHAR[c] for c in token)
+    return tuple(table)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _check_message(index: int, message: Mapping[str, str]) -> dict[str, str]:

@@ -2,13 +2,15 @@
 
 The fake decoder is byte-level like a real BPE vocabulary: each id is a byte string and decoding
 replaces an incomplete UTF-8 sequence with U+FFFD, so "é" split over two ids reads "\ufffd"
-until its second half arrives.
+until its second half arrives. Every case runs on both of the detokenizer's paths: decode calls
+(``ByteDecoder``) and the vocabulary's bytes (``TableDecoder``, which has ``token_bytes``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -38,71 +40,88 @@ class ByteDecoder:
         return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
 
 
+class TableDecoder(ByteDecoder):
+    token_bytes = tuple(VOCAB[i] for i in range(len(VOCAB)))
+
+
+both_paths = pytest.mark.parametrize("decoder", [ByteDecoder(), TableDecoder()], ids=["decode-calls", "token-bytes"])
+
+
 def push_each(detok: IncrementalDetokenizer, ids: Sequence[int]) -> list[str]:
     """One push per token, as the engine does; the deltas in order."""
     return [detok.push([i]) for i in ids]
 
 
-def test_deltas_concatenate_to_the_full_text():
+@both_paths
+def test_deltas_concatenate_to_the_full_text(decoder):
     ids = [HELLO, SPACE, WORLD, BANG]
-    detok = IncrementalDetokenizer(ByteDecoder())
+    detok = IncrementalDetokenizer(decoder)
     assert push_each(detok, ids) == ["Hello", " ", "world", "!"]
     assert detok.flush() == ""
     assert detok.text == "Hello world!" and not detok.stopped
 
 
-def test_a_split_character_is_released_only_when_complete():
-    detok = IncrementalDetokenizer(ByteDecoder())
+@both_paths
+def test_a_split_character_is_released_only_when_complete(decoder):
+    detok = IncrementalDetokenizer(decoder)
     assert push_each(detok, [A, E1, E2, B]) == ["a", "", "é", "b"]
 
 
-def test_an_incomplete_character_at_the_end_is_flushed_as_is():
-    detok = IncrementalDetokenizer(ByteDecoder())
+@both_paths
+def test_an_incomplete_character_at_the_end_is_flushed_as_is(decoder):
+    detok = IncrementalDetokenizer(decoder)
     assert push_each(detok, [A, E1]) == ["a", ""]
     assert detok.flush() == "\ufffd"
 
 
-def test_a_stop_string_cuts_the_text_before_it():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["world"])
+@both_paths
+def test_a_stop_string_cuts_the_text_before_it(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["world"])
     assert push_each(detok, [HELLO, SPACE, WORLD]) == ["Hello", " ", ""]
     assert detok.stopped and detok.text == "Hello "
     assert detok.push([BANG]) == "" and detok.flush() == ""  # nothing after the stop
 
 
-def test_a_stop_string_spanning_tokens_holds_back_its_start():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["lo w"])
+@both_paths
+def test_a_stop_string_spanning_tokens_holds_back_its_start(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["lo w"])
     # "lo" and "lo " could begin the stop string, so they are held back
     assert push_each(detok, [HELLO, SPACE, WORLD]) == ["Hel", "", ""]
     assert detok.stopped and detok.text == "Hel"
 
 
-def test_held_back_text_is_released_when_it_turns_out_not_to_be_a_stop():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["##!"])
+@both_paths
+def test_held_back_text_is_released_when_it_turns_out_not_to_be_a_stop(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["##!"])
     assert push_each(detok, [A, HASH, HASH, B]) == ["a", "", "", "##b"]
     assert not detok.stopped
 
 
-def test_flush_releases_a_held_back_tail():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["##"])
+@both_paths
+def test_flush_releases_a_held_back_tail(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["##"])
     assert push_each(detok, [A, HASH]) == ["a", ""]
     assert detok.flush() == "#"
     assert detok.flush() == ""
 
 
-def test_the_earliest_of_several_stop_strings_wins():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["b", "a#"])
+@both_paths
+def test_the_earliest_of_several_stop_strings_wins(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["b", "a#"])
     assert detok.push([A, BAH]) == "a"  # "aba#": "b" at 1 comes before "a#" at 2
     assert detok.stopped and detok.text == "a"
 
 
-def test_a_stop_string_ending_in_a_split_character():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["aé"])
+@both_paths
+def test_a_stop_string_ending_in_a_split_character(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["aé"])
     assert push_each(detok, [B, A, E1, E2, BANG]) == ["b", "", "", "", ""]
     assert detok.stopped and detok.text == "b"
 
 
-def test_a_stop_string_right_after_the_start_yields_no_text():
-    detok = IncrementalDetokenizer(ByteDecoder(), stop=["Hello"])
+@both_paths
+def test_a_stop_string_right_after_the_start_yields_no_text(decoder):
+    detok = IncrementalDetokenizer(decoder, stop=["Hello"])
     assert push_each(detok, [HELLO, WORLD]) == ["", ""]
     assert detok.text == "" and detok.stopped
 
@@ -116,6 +135,7 @@ def reference(ids: Sequence[int], stop: Sequence[str]) -> str:
     return text[: min(hits)] if hits else text
 
 
+@both_paths
 @settings(max_examples=300, deadline=None)
 @given(
     ids=st.lists(st.sampled_from(sorted(VOCAB)), max_size=20),
@@ -123,8 +143,8 @@ def reference(ids: Sequence[int], stop: Sequence[str]) -> str:
     pushes=st.lists(st.integers(1, 3), min_size=20, max_size=20),
 )
 @example(ids=[BANG, E1], stop=["!"], pushes=[2] + [1] * 19)  # a stop string before a split character
-def test_streamed_deltas_plus_flush_equal_the_cut_full_text(ids, stop, pushes):
-    detok = IncrementalDetokenizer(ByteDecoder(), stop)
+def test_streamed_deltas_plus_flush_equal_the_cut_full_text(ids, stop, pushes, decoder):
+    detok = IncrementalDetokenizer(decoder, stop)
     expected = reference(ids, stop)
     streamed, i = "", 0
     for n in pushes:  # pushes of 1..3 tokens
@@ -156,3 +176,25 @@ def test_each_push_decodes_only_the_new_ids_and_their_context():
     text = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert text == ByteDecoder().decode(ids)
     assert max(decoder.lengths) <= 3  # the previous push's id, the new one (and a split character's half)
+
+
+# --- the default model's vocabulary: its bytes spell what its decode spells --------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_checkpoint):
+    return default_checkpoint.tokenizer
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_default_vocabulary_streams_what_decode_reads(tokenizer, data):
+    table = tokenizer.token_bytes
+    assert table is not None  # a byte-level BPE vocabulary: the fast path is the one its requests take
+    single_bytes = [i for i, b in enumerate(table) if len(b) == 1 and b[0] >= 0x80]  # halves of characters
+    ids = data.draw(st.lists(st.one_of(st.integers(0, tokenizer.vocab_size - 1), st.sampled_from(single_bytes)),
+                             max_size=24))
+    whole = tokenizer.decode(ids)
+    assert b"".join(table[i] for i in ids).decode("utf-8", errors="replace") == whole
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.push([i]) for i in ids) + detok.flush() == whole

@@ -61,3 +61,17 @@ def test_template_is_sandboxed():
     tok = make(chat_template="{{ messages.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         tok.render_chat([])
+
+
+def test_a_byte_level_vocabulary_gives_each_token_s_bytes():
+    tok = make()
+    assert tok.token_bytes == (b"", b"", b"", b"h", b"i", b" ", b"hi", b" hi", b"!")  # special tokens read nothing
+
+
+def test_other_vocabularies_have_no_byte_table():
+    tok = make()
+    tok.backend.decoder = decoders.Metaspace()  # its decode is not the tokens' bytes joined
+    assert Tokenizer(tok.backend, None, "<s>", "</s>").token_bytes is None
+    tok = make()
+    tok.backend.add_tokens([AddedToken("robot", special=False)])  # an added token that is text
+    assert Tokenizer(tok.backend, None, "<s>", "</s>").token_bytes is None
