@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._token_bytes: Sequence[bytes] | None = getattr(decoder, "token_bytes", None)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # the byte path's pending bytes
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # the decode-call path's ids
         self._prefix_offset = 0  # ids[prefix_offset:read_offset]: context decoded again
         self._read_offset = 0  # ids before this are in ``text``
         self._window_taken = 0  # chars of the pending window (ids past read_offset) already in ``text``
@@ -46,8 +46,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the newly final text."""
         if self.stopped:
             return ""
-        self._ids.extend(token_ids)
-        self.text += self._decode_new(final=False)
+        self.text += self._decode_new(token_ids, final=False)
         if not self._stop:
             return self._release(len(self.text))
         hit = self._find_stop()
@@ -60,17 +59,16 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the request: whatever was held back (an incomplete character too)."""
         if not self.stopped:
-            self.text += self._decode_new(final=True)
+            self.text += self._decode_new((), final=True)
         return self._release(len(self.text))
 
-    def _decode_new(self, final: bool) -> str:
-        """What the ids past ``read_offset`` add that ``text`` does not hold yet (an incomplete
-        character at their end only once ``final``)."""
+    def _decode_new(self, token_ids: Sequence[int], final: bool) -> str:
+        """What ``token_ids`` (and ids held back before them) add that ``text`` does not hold
+        yet (an incomplete character at their end only once ``final``)."""
         if self._token_bytes is None:
+            self._ids.extend(token_ids)
             return self._decode_window(final)
-        new = self._ids[self._read_offset:]
-        self._read_offset = len(self._ids)
-        return self._utf8.decode(b"".join([self._token_bytes[i] for i in new]), final)
+        return self._utf8.decode(b"".join([self._token_bytes[i] for i in token_ids]), final)
 
     def _decode_window(self, final: bool) -> str:
         """``_decode_new`` by decode calls: the new ids with the previous push's as context.
