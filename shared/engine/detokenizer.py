@@ -68,7 +68,12 @@ class IncrementalDetokenizer:
         if self._token_bytes is None:
             self._ids.extend(token_ids)
             return self._decode_window(final)
-        return self._utf8.decode(b"".join([self._token_bytes[i] for i in token_ids]), final)
+        table = self._token_bytes
+        try:
+            data = b"".join([table[i] for i in token_ids])
+        except IndexError:  # ids past the vocabulary (a model's padding rows) read nothing, as in decode
+            data = b"".join([table[i] for i in token_ids if 0 <= i < len(table)])
+        return self._utf8.decode(data, final)
 
     def _decode_window(self, final: bool) -> str:
         """``_decode_new`` by decode calls: the new ids with the previous push's as context.
