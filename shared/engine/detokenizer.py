@@ -30,14 +30,9 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, decoder: Decoder, stop: Sequence[str] = ()):
-        self._decoder = decoder
+        table = getattr(decoder, "token_bytes", None)
+        self._source = _ByteStream(table) if table is not None else _DecodeWindow(decoder)
         self._stop = tuple(stop)
-        self._token_bytes: Sequence[bytes] | None = getattr(decoder, "token_bytes", None)
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # the byte path's pending bytes
-        self._ids: list[int] = []  # the decode-call path's ids
-        self._prefix_offset = 0  # ids[prefix_offset:read_offset]: context decoded again
-        self._read_offset = 0  # ids before this are in ``text``
-        self._window_taken = 0  # chars of the pending window (ids past read_offset) already in ``text``
         self._emitted = 0  # characters of the decoded text already returned
         self.text = ""  # everything decoded so far (cut at a stop string once stopped)
         self.stopped = False
@@ -46,7 +41,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the newly final text."""
         if self.stopped:
             return ""
-        self.text += self._decode_new(token_ids, final=False)
+        self.text += self._source.decode_new(token_ids, final=False)
         if not self._stop:
             return self._release(len(self.text))
         hit = self._find_stop()
@@ -59,36 +54,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the request: whatever was held back (an incomplete character too)."""
         if not self.stopped:
-            self.text += self._decode_new((), final=True)
+            self.text += self._source.decode_new((), final=True)
         return self._release(len(self.text))
-
-    def _decode_new(self, token_ids: Sequence[int], final: bool) -> str:
-        """What ``token_ids`` (and ids held back before them) add that ``text`` does not hold
-        yet (an incomplete character at their end only once ``final``)."""
-        if self._token_bytes is None:
-            self._ids.extend(token_ids)
-            return self._decode_window(final)
-        table = self._token_bytes
-        try:
-            data = b"".join([table[i] for i in token_ids])
-        except IndexError:  # ids past the vocabulary (a model's padding rows) read nothing, as in decode
-            data = b"".join([table[i] for i in token_ids if 0 <= i < len(table)])
-        return self._utf8.decode(data, final)
-
-    def _decode_window(self, final: bool) -> str:
-        """``_decode_new`` by decode calls: the new ids with the previous push's as context.
-        While they end inside a multi-byte character (U+FFFD), only what comes before it, and
-        the offsets stay (the next push decodes the same window again), unless ``final``."""
-        context = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset])
-        window = self._decoder.decode(self._ids[self._prefix_offset :])[len(context) :]
-        if window.endswith("\ufffd") and not final:
-            complete = window.rstrip("\ufffd")
-            new = complete[self._window_taken :]
-            self._window_taken = max(self._window_taken, len(complete))
-            return new
-        new = window[self._window_taken :]
-        self._prefix_offset, self._read_offset, self._window_taken = self._read_offset, len(self._ids), 0
-        return new
 
     def _find_stop(self) -> int | None:
         window = max((len(s) for s in self._stop), default=0)
@@ -111,3 +78,48 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted : upto]
         self._emitted = upto
         return delta
+
+
+class _ByteStream:
+    """Text from each id's bytes through an incremental UTF-8 decoder, which holds back an
+    incomplete character until the rest of it (or ``final``) arrives."""
+
+    def __init__(self, token_bytes: Sequence[bytes]) -> None:
+        self._table = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode_new(self, token_ids: Sequence[int], final: bool) -> str:
+        """The text ``token_ids`` complete (an incomplete character at the end only if ``final``)."""
+        table = self._table
+        try:
+            data = b"".join([table[i] for i in token_ids])
+        except IndexError:  # ids past the vocabulary (a model's padding rows) read nothing, as in decode
+            data = b"".join([table[i] for i in token_ids if i < len(table)])
+        return self._utf8.decode(data, final)
+
+
+class _DecodeWindow:
+    """Text from decode calls: the new ids with the previous push's as context."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self._decoder = decoder
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset]: context decoded again
+        self._read_offset = 0  # ids before this are in the text already returned
+        self._window_taken = 0  # chars of the pending window (ids past read_offset) already returned
+
+    def decode_new(self, token_ids: Sequence[int], final: bool) -> str:
+        """The text ``token_ids`` complete. While the ids end inside a multi-byte character
+        (U+FFFD), only what comes before it, and the offsets stay (the next push decodes the
+        same window again), unless ``final``."""
+        self._ids.extend(token_ids)
+        context = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decoder.decode(self._ids[self._prefix_offset :])[len(context) :]
+        if window.endswith("\ufffd") and not final:
+            complete = window.rstrip("\ufffd")
+            new = complete[self._window_taken :]
+            self._window_taken = max(self._window_taken, len(complete))
+            return new
+        new = window[self._window_taken :]
+        self._prefix_offset, self._read_offset, self._window_taken = self._read_offset, len(self._ids), 0
+        return new
