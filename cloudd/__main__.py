@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 from cloudd.trace import bundled_trace  # noqa: E402
+from kernels.kv_layout import LAYOUTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 from shared.config import load_engine_config  # noqa: E402
 from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
@@ -51,6 +52,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): Triton on CUDA, torch (with the C++ CPU kernels) on a CPU")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-only steps replay CUDA graphs (default on; Triton kernels on CUDA only)")
+    p.add_argument("--kv-layout", choices=list(LAYOUTS),
+                   help="KV pool layout: auto (default: paired where the CPU decode kernel reads it in bf16) | tokens | paired")
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--max-num-seqs", type=int)
@@ -78,7 +81,7 @@ def _engine_config(args, offline: bool = False, compile_by_default: bool = True)
         base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
     engine = {"dtype": args.dtype, "compile": args.compile, "block_size": args.block_size,
               "num_blocks": args.num_blocks, "device": args.device, "kernels": args.kernels,
-              "cuda_graphs": args.cuda_graphs}
+              "cuda_graphs": args.cuda_graphs, "kv_layout": args.kv_layout}
     scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
     return dataclasses.replace(
         base,
@@ -249,7 +252,7 @@ def engine_note(serving: ServingEngine) -> str:
     return (f"policy={serving.policy} "
             f"compile={'off' if engine.compile_seconds is None else f'{engine.compile_seconds:.1f}s'} "
             f"warm_up={serving.warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason}) kernels={engine.runner.kernels} "
-            f"cuda_graphs={_graphs_note(engine)}")
+            f"kv_layout={engine.runner.kv_layout} cuda_graphs={_graphs_note(engine)}")
 
 
 def cmd_serve(args) -> int:
@@ -292,8 +295,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "cuda_graphs", "block_size", "num_blocks",
-               "max_num_seqs", "max_batched_tokens")
+ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "cuda_graphs", "kv_layout", "block_size",
+               "num_blocks", "max_num_seqs", "max_batched_tokens")
 
 
 def _replica_args(args) -> dict:

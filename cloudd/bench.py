@@ -140,6 +140,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 runs[name]["dtype"] = stats.dtype
                 runs[name]["compiled"] = stats.compiled
                 runs[name]["kernels"] = stats.kernels
+                runs[name]["kv_layout"] = stats.kv_layout
                 runs[name]["cuda_graphs"] = stats.cuda_graphs
                 runs[name]["preemptions"] = stats.preemptions
                 runs[name]["kv_blocks"] = stats.blocks_total

@@ -1,8 +1,9 @@
 """Paged attention: one function (``paged_attention``) over the paged KV pools, with the
 device's kernel underneath where there is one, and plain torch as the reference twin.
 
-KV lives in per-layer pools ``k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]``.
-The token at position ``p`` of a sequence sits at slot
+KV lives in per-layer pools ``k_cache, v_cache``, ``[num_blocks, block_size, kv_heads, head_dim]``
+or the CPU decode kernel's paired layout (``kernels.kv_layout``, which every access goes
+through). The token at position ``p`` of a sequence sits at slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
 A step's tokens are laid out flat: first one token for each *decode* sequence, then the new
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
+from kernels.kv_layout import gather, kv_heads_of, write_kv
 from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel
 from kernels.softmax_lse_cpu import SoftmaxLse, softmax_lse_kernel
 
@@ -78,27 +80,6 @@ def attention_with_lse(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
     return out.to(q.dtype), lse
-
-
-def write_kv(
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-) -> None:
-    """Store the new tokens' K/V at their slots (in place)."""
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., nb] block ids -> [..., nb * block_size, kv_heads, head_dim] contiguous K or V."""
-    # NOTE: index_select over 2-D rows (one block each) is a parallel memcpy; over the 4-D
-    # tensor it is several times slower on CPU.
-    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_table.flatten(), out=out)
-    return rows.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def paged_attention(
@@ -147,9 +128,9 @@ def _prefill_attention(
     """A segment's new tokens over its whole context, all heads at once: each KV head's group
     of query heads folded into the query rows (``seg.visible``'s order)."""
     n, heads, dim = q.shape
-    kvh = k_cache.shape[2]
-    k = _gather(k_cache, seg.block_table)[: seg.context_len].transpose(0, 1)  # [kvh, L, D]
-    v = _gather(v_cache, seg.block_table)[: seg.context_len].transpose(0, 1)
+    kvh = kv_heads_of(k_cache)
+    k = gather(k_cache, True, seg.block_table)[: seg.context_len].transpose(0, 1)  # [kvh, L, D]
+    v = gather(v_cache, False, seg.block_table)[: seg.context_len].transpose(0, 1)
     qg = q.view(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3).reshape(kvh, -1, dim)  # rows (j, t)
     softmax_lse = softmax_lse_kernel() if q.is_cpu else None
     if softmax_lse is not None:
@@ -188,7 +169,7 @@ def _decode_attention(
     into the exact attention over the row's whole context.
     """
     nd, heads, dim = q.shape
-    kvh = k_cache.shape[2]
+    kvh = kv_heads_of(k_cache)
     g = heads // kvh
     qg = q.view(nd, kvh, g, dim)  # kv head i serves query heads i*g .. i*g+g-1
     if meta.decode_block_tables is not None:  # the device's kernel reads every row's blocks in place
@@ -231,8 +212,8 @@ def _decode_batches(
     for batch in meta.decode_batches:
         p, r = batch.rows.shape
         k_buf, v_buf = meta.decode_gather_buffer[:, : batch.block_tables.numel()]
-        k = _gather(k_cache, batch.block_tables, out=k_buf)  # [p, S, kvh, D]
-        v = _gather(v_cache, batch.block_tables, out=v_buf)
+        k = gather(k_cache, True, batch.block_tables, out=k_buf)  # [p, S, kvh, D]
+        v = gather(v_cache, False, batch.block_tables, out=v_buf)
         queries = qg.index_select(0, batch.rows.flatten()).view(p, r, kvh, g, dim)
         out, lse = grouped_query_attention(queries, k, v, batch.mask.view(p, 1, -1), scale, with_lse)
         yield batch, out, lse

@@ -15,7 +15,7 @@ from kernels.cpu_extension import cpu_kernels
 SUPPORTED_HEAD_DIMS = frozenset({8, 16, 32, 64, 80, 96, 128})  # compiled instantiations
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
-# (q [R, H, D], k_cache, v_cache [N, B, KVH, D], block_tables [R, M] int64, context_lens [R] int64 (each >= 1),
+# (q [R, H, D], k_cache, v_cache (either layout of kernels.kv_layout), block_tables [R, M] int64, context_lens [R] int64 (each >= 1),
 #  scale, with_lse, row_order [R] int64 permutation or None) -> (out [R, H, D] in q's dtype, lse [R, H] float32,
 #  or None when not asked)
 PagedDecode = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -30,3 +30,11 @@ def paged_decode_kernel() -> PagedDecode | None:
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel is built here and compiled for this head size and dtype."""
     return head_dim in SUPPORTED_HEAD_DIMS and dtype in SUPPORTED_DTYPES and paged_decode_kernel() is not None
+
+
+def supports_paired(head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether the kernel reads the paired KV layout here: bfloat16 on a CPU with AVX-512 BF16
+    (what the build found), 16-key tiles within a block, 32-dimension chunks of a head."""
+    module = cpu_kernels()
+    return (module is not None and module.paired_kv_layout_built() and dtype == torch.bfloat16
+            and block_size % 16 == 0 and block_size <= 64 and head_dim % 32 == 0 and head_dim <= 128)

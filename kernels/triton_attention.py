@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention import write_kv
+from kernels.kv_layout import write_kv
 from kernels.attention_metadata import decode_problems
 from kernels.triton_decode_attention import DecodePlan, paged_decode_attention
 from kernels.triton_extend_attention import ExtendPlan, extend_attention

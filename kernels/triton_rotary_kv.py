@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import write_kv
+from kernels.kv_layout import write_kv
 from kernels.triton_support import INTERPRETED, cast
 from shared.model.llama import RopeTables, apply_rotary
 

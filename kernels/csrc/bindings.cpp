@@ -5,6 +5,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
+  m.def("paired_kv_layout_built", &paired_kv_layout_built,
+        "whether paged_decode reads the paired KV layout here (bf16 on a CPU with AVX-512 BF16)");
   m.def("softmax_lse_", &softmax_lse_, "in-place softmax of scaled scores over visible keys, returning the lse (CPU)",
         py::arg("scores"), py::arg("visible"), py::arg("scale"));
   m.def("sample_rows", &sample_rows, "one token per row: first largest (temperature 0) or drawn from softmax(x / temperature) (CPU)", py::arg("x"),

@@ -11,6 +11,8 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
                                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                                      double scale, bool with_lse,
                                                      std::optional<torch::Tensor> row_order);
+// Whether this build reads the paired KV layout (bf16 on a CPU with AVX-512 BF16).
+bool paired_kv_layout_built();
 
 // Softmax of attention scores in place over each row's visible keys, with its log-sum-exp
 // (softmax_lse_cpu.cpp).

@@ -2,7 +2,12 @@
 // paged pools (no gather into contiguous copies), GQA, online softmax in float32.
 //
 //   q            [rows, heads, D]                       float32 | bfloat16
-//   k/v caches   [num_blocks, block_size, kv_heads, D]  same dtype as q
+//   k/v caches   same dtype as q, in one of two layouts (kernels/kv_layout.py):
+//                tokens  k, v [num_blocks, block_size, kv_heads, D]
+//                paired  k [num_blocks, kv_heads, D / 2, block_size, 2]  (dimension pairs by key)
+//                        v [num_blocks, kv_heads, block_size / 2, D, 2]  (key pairs by dimension)
+//                        bf16 on CPUs with AVX-512 BF16 only: the pairs are the operands of its
+//                        dot-product instruction as they lie, no shuffles
 //   block_tables [rows, max_blocks] int64 (padding is never read: context_lens bound it)
 //   context_lens [rows] int64: keys of row r are its positions [0, context_lens[r])
 //   out          [rows, heads, D]                       q's dtype
@@ -45,6 +50,16 @@ inline void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
     for (int64_t j = 0; j < DIM; j += kLineElements) __builtin_prefetch(rows + t * stride + j);
 }
 
+// Where a block's keys and values lie: the tokens layout's rows of `stride` elements (one per
+// key, starting at the block's first key for this KV head); the paired layout's slabs (this KV
+// head's part of the block: K's pair rows of `stride` = block_size keys, V's key pairs of 2 x D).
+template <typename T>
+struct BlockRef {
+  const T* k;
+  const T* v;
+  int64_t stride;
+};
+
 // A task's heads: up to kMaxHeads query heads of one KV head, from one or several rows. Both
 // task types take them the same way: begin() with each head's query, block() for a block's keys
 // over a contiguous range of those heads (a shared prefix: all of them; a row's own blocks:
@@ -55,6 +70,7 @@ constexpr int64_t kMaxHeads = 16;
 // dimension as a compile-time constant so every inner loop vectorizes whole.
 template <typename T, int64_t DIM>
 struct DecodeTask {
+  static constexpr bool kPaired = false;  // reads the tokens layout
   // Partial sums per dot product: an AVX-512 register's 16 floats where DIM allows.
   static constexpr int64_t kLanes = DIM % 16 == 0 ? 16 : 8;
   static_assert(DIM % kLanes == 0, "head_dim must be a multiple of 8");
@@ -72,8 +88,10 @@ struct DecodeTask {
   }
 
   // Heads [h0, h1) over one block's first `count` keys: scores, online-softmax update, p . v.
-  void block(const T* __restrict__ k_block, const T* __restrict__ v_block, int64_t stride, int64_t count, int64_t h0,
-             int64_t h1) {
+  void block(BlockRef<T> b, int64_t count, int64_t h0, int64_t h1) {
+    const T* __restrict__ k_block = b.k;
+    const T* __restrict__ v_block = b.v;
+    const int64_t stride = b.stride;
     for (int64_t g = h0; g < h1; ++g) {
       float* sg = scores + g * 64;
       for (int64_t t = 0; t < count; ++t) sg[t] = dot(g, k_block + t * stride);
@@ -153,9 +171,10 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
-template <int64_t DIM>
+template <int64_t DIM, bool PAIRED>
 struct Bf16DecodeTask {
   static_assert(DIM % 32 == 0, "the bf16 task reads keys 32 dimensions (16 dword pairs) at a time");
+  static constexpr bool kPaired = PAIRED;  // the layout it reads (its block_size a multiple of kTile)
   static constexpr int64_t kChunks = DIM / 32;       // 16-dword column chunks of a key row
   static constexpr int64_t kVecs = DIM / 16;         // float32 vectors per value row
   static constexpr int64_t kHeadsPerPass = DIM <= 32 ? 8 : DIM <= 64 ? 4 : 2;  // accumulators in registers
@@ -176,37 +195,63 @@ struct Bf16DecodeTask {
   }
 
   // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
-  void block(const at::BFloat16* __restrict__ k_block, const at::BFloat16* __restrict__ v_block, int64_t stride,
-             int64_t count, int64_t h0, int64_t h1) {
+  void block(BlockRef<at::BFloat16> b, int64_t count, int64_t h0, int64_t h1) {
     for (int64_t t0 = 0; t0 < count; t0 += kTile) {
       const int64_t tile = std::min(kTile, count - t0);
-      tile_softmax(k_block + t0 * stride, stride, tile, h0, h1);
+      tile_softmax(b, t0, tile, h0, h1);
       for (int64_t g0 = h0; g0 < h1; g0 += kHeadsPerPass) {
-        const at::BFloat16* v = v_block + t0 * stride;
         switch (std::min(kHeadsPerPass, h1 - g0)) {
-          case 1: accumulate<1>(g0, v, stride, tile); break;
-          case 2: accumulate<2>(g0, v, stride, tile); break;
-          case 3: accumulate<3>(g0, v, stride, tile); break;
-          case 4: accumulate<4>(g0, v, stride, tile); break;
-          case 5: accumulate<5>(g0, v, stride, tile); break;
-          case 6: accumulate<6>(g0, v, stride, tile); break;
-          case 7: accumulate<7>(g0, v, stride, tile); break;
-          default: accumulate<8>(g0, v, stride, tile); break;
+          case 1: accumulate<1>(g0, b, t0, tile); break;
+          case 2: accumulate<2>(g0, b, t0, tile); break;
+          case 3: accumulate<3>(g0, b, t0, tile); break;
+          case 4: accumulate<4>(g0, b, t0, tile); break;
+          case 5: accumulate<5>(g0, b, t0, tile); break;
+          case 6: accumulate<6>(g0, b, t0, tile); break;
+          case 7: accumulate<7>(g0, b, t0, tile); break;
+          default: accumulate<8>(g0, b, t0, tile); break;
         }
       }
     }
   }
 
+  // keys[p] = dimension pair c * 16 + p of the tile's keys t0 .. t0 + 15 (zeros or stale
+  // values past `count`: their scores are masked out).
+  static void load_key_pairs(BlockRef<at::BFloat16> b, int64_t t0, int64_t count, int64_t c, __m512i keys[16]) {
+    if constexpr (PAIRED) {  // pair rows as they lie
+      for (int64_t p = 0; p < 16; ++p) keys[p] = _mm512_loadu_si512(b.k + ((c * 16 + p) * b.stride + t0) * 2);
+    } else {  // key rows, transposed in registers
+      for (int64_t t = 0; t < kTile; ++t)
+        keys[t] = t < count ? _mm512_loadu_si512(b.k + (t0 + t) * b.stride + c * 32) : _mm512_setzero_si512();
+      transpose16x16(keys);
+    }
+  }
+
+  // The values of keys t and t + 1 (block offsets; t + 1 only if below `end`, else zeros) in
+  // 32-dimension chunk c, interleaved into pairs of one dimension: the dword lanes of
+  // accumulator vectors 2c (lo) and 2c + 1 (hi), in the dimension order write() undoes.
+  static void load_value_pairs(BlockRef<at::BFloat16> b, int64_t t, int64_t end, int64_t c, __m512i& lo, __m512i& hi) {
+    if constexpr (PAIRED) {  // key pairs as they lie, dimensions in order; an odd last key's partner masked off
+      const at::BFloat16* pairs = b.v + t * DIM + c * 64;
+      const __mmask32 keys = t + 1 < end ? 0xFFFFFFFFu : 0x55555555u;
+      lo = _mm512_maskz_loadu_epi16(keys, pairs);
+      hi = _mm512_maskz_loadu_epi16(keys, pairs + 32);
+    } else {  // two key rows, interleaved within 128-bit lanes
+      const at::BFloat16* first = b.v + t * b.stride + c * 32;
+      const __m512i x = _mm512_loadu_si512(first);
+      const __m512i y = t + 1 < end ? _mm512_loadu_si512(first + b.stride) : _mm512_setzero_si512();
+      lo = _mm512_unpacklo_epi16(x, y);
+      hi = _mm512_unpackhi_epi16(x, y);
+    }
+  }
+
   // Scores of the tile's keys for every head, then each head's online-softmax update: probs
   // for the tile, the correction its accumulator takes before they are added.
-  void tile_softmax(const at::BFloat16* __restrict__ k_rows, int64_t stride, int64_t count, int64_t h0, int64_t h1) {
+  void tile_softmax(BlockRef<at::BFloat16> b, int64_t t0, int64_t count, int64_t h0, int64_t h1) {
     __m512 scores[kMaxHeads];
     for (int64_t g = h0; g < h1; ++g) scores[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kChunks; ++c) {
       __m512i keys[16];
-      for (int64_t t = 0; t < kTile; ++t)
-        keys[t] = t < count ? _mm512_loadu_si512(k_rows + t * stride + c * 32) : _mm512_setzero_si512();
-      transpose16x16(keys);  // keys[p]: dimension pair c * 16 + p of every key
+      load_key_pairs(b, t0, count, c, keys);
       for (int64_t g = h0; g < h1; ++g) {
         // four independent sums: a row's own blocks have only its group's few heads, and one
         // chain of 16 dependent dot-product instructions per head left the unit waiting
@@ -231,12 +276,11 @@ struct Bf16DecodeTask {
     }
   }
 
-  // acc[g] = acc[g] * correction[g] + sum_t probs[g][t] v_t for heads g0 .. g0 + HEADS - 1,
-  // two keys per instruction: a head's probabilities as bf16 pairs (t, t+1), the two value rows
-  // interleaved into pairs of the same dimension. The interleave works within 128-bit lanes, so
-  // the accumulators hold dimensions in permuted_dim order; write() puts them back.
+  // acc[g] = acc[g] * correction[g] + sum_t probs[g][t] v_t over the tile's keys t0 .. t0 +
+  // count - 1 for heads g0 .. g0 + HEADS - 1, two keys per instruction: a head's probabilities
+  // as bf16 pairs (t, t+1) against the values in pairs of one dimension (load_value_pairs).
   template <int64_t HEADS>
-  void accumulate(int64_t g0, const at::BFloat16* __restrict__ v_rows, int64_t stride, int64_t count) {
+  void accumulate(int64_t g0, BlockRef<at::BFloat16> b, int64_t t0, int64_t count) {
     __m512 a[HEADS][kVecs];
     alignas(32) uint32_t pairs[HEADS][kTile / 2];
     for (int64_t g = 0; g < HEADS; ++g) {
@@ -246,14 +290,11 @@ struct Bf16DecodeTask {
                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs + (g0 + g) * kTile)));
     }
     for (int64_t t = 0; t < count; t += 2) {
-      const at::BFloat16* first = v_rows + t * stride;
-      const at::BFloat16* second = first + stride;
       __m512i p[HEADS];
       for (int64_t g = 0; g < HEADS; ++g) p[g] = _mm512_set1_epi32(static_cast<int>(pairs[g][t / 2]));
       for (int64_t c = 0; c < kChunks; ++c) {
-        const __m512i x = _mm512_loadu_si512(first + c * 32);
-        const __m512i y = t + 1 < count ? _mm512_loadu_si512(second + c * 32) : _mm512_setzero_si512();
-        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+        __m512i lo, hi;
+        load_value_pairs(b, t0 + t, t0 + count, c, lo, hi);
         for (int64_t g = 0; g < HEADS; ++g) {
           a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)lo, (__m512bh)p[g]);
           a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)hi, (__m512bh)p[g]);
@@ -264,9 +305,11 @@ struct Bf16DecodeTask {
       for (int64_t j = 0; j < kVecs; ++j) _mm512_store_ps(acc + (g0 + g) * DIM + j * 16, a[g][j]);
   }
 
-  // The dimension accumulator lane j holds: lane k of the low (even j / 16) or high vector of
+  // The dimension accumulator lane j holds: in order for the paired layout; for the tokens
+  // layout's interleave within 128-bit lanes, lane k of the low (even j / 16) or high vector of
   // 32-dimension chunk c covers dimensions 8 * (k / 4) + k % 4, plus 4 in the high vector.
   static constexpr int64_t permuted_dim(int64_t j) {
+    if (PAIRED) return j;
     const int64_t c = j / 32, high = (j / 16) % 2, k = j % 16;
     return c * 32 + 8 * (k / 4) + 4 * high + k % 4;
   }
@@ -307,8 +350,10 @@ struct Fp32DecodeTask : DecodeTask<float, DIM> {
   float correction[kMaxHeads];                 // the factor each head's accumulator takes first
 
   // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
-  void block(const float* __restrict__ k_block, const float* __restrict__ v_block, int64_t stride, int64_t count,
-             int64_t h0, int64_t h1) {
+  void block(BlockRef<float> b, int64_t count, int64_t h0, int64_t h1) {
+    const float* __restrict__ k_block = b.k;
+    const float* __restrict__ v_block = b.v;
+    const int64_t stride = b.stride;
     for (int64_t t0 = 0; t0 < count; t0 += kTile) {
       const int64_t tile = std::min(kTile, count - t0);
       const float* k_rows = k_block + t0 * stride;
@@ -393,7 +438,8 @@ struct Fp32DecodeTask : DecodeTask<float, DIM> {
 };
 #endif  // __AVX2__ && __FMA__
 
-// The task a (dtype, head_dim) runs: a vector one where the CPU has the instructions.
+// The task a (dtype, head_dim) runs on the tokens layout: a vector one where the CPU has the
+// instructions. The paired layout has one task, PairedTask.
 template <typename T, int64_t DIM, typename = void>
 struct TaskFor { using type = DecodeTask<T, DIM>; };
 #if defined(__AVX2__) && defined(__FMA__)
@@ -402,7 +448,12 @@ struct TaskFor<float, DIM> { using type = Fp32DecodeTask<DIM>; };
 #endif
 #if defined(__AVX512BF16__)
 template <int64_t DIM>
-struct TaskFor<at::BFloat16, DIM, std::enable_if_t<DIM % 32 == 0>> { using type = Bf16DecodeTask<DIM>; };
+struct TaskFor<at::BFloat16, DIM, std::enable_if_t<DIM % 32 == 0>> { using type = Bf16DecodeTask<DIM, false>; };
+template <int64_t DIM>
+using PairedTask = Bf16DecodeTask<DIM, true>;
+constexpr bool kPairedLayoutBuilt = true;
+#else
+constexpr bool kPairedLayoutBuilt = false;
 #endif
 
 // Rows sharing at least this many leading blocks (a system prompt) run as one task per KV head.
@@ -457,31 +508,45 @@ std::vector<RowGroup> group_rows(const int64_t* tables, const int64_t* lens, con
   return groups;
 }
 
+// KV head h of block `block`, in the layout the task reads.
+template <bool PAIRED, typename T, int64_t DIM>
+BlockRef<T> block_ref(const T* k_cache, const T* v_cache, int64_t block, int64_t h, int64_t kv_heads,
+                      int64_t block_size) {
+  if constexpr (PAIRED) {  // one slab of block_size * DIM elements per (block, KV head)
+    const int64_t slab = (block * kv_heads + h) * block_size * DIM;
+    return {k_cache + slab, v_cache + slab, block_size};
+  } else {
+    const int64_t first = (block * block_size * kv_heads + h) * DIM;
+    return {k_cache + first, v_cache + first, kv_heads * DIM};
+  }
+}
+
 // One task's keys over [first_block * block_size, end) of `table`, for heads [h0, h1).
 template <typename Task, typename T, int64_t DIM>
 void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const int64_t* table, int64_t first_block,
                    int64_t end, int64_t h, int64_t kv_heads, int64_t block_size, int64_t h0, int64_t h1) {
-  const int64_t stride = kv_heads * DIM;
+  constexpr bool paired = Task::kPaired;
   for (int64_t first = first_block * block_size; first < end; first += block_size) {
     const int64_t count = std::min(block_size, end - first);
-    const int64_t base = (table[first / block_size] * block_size * kv_heads + h) * DIM;
-    if (first + block_size < end) {
-      const int64_t next = (table[first / block_size + 1] * block_size * kv_heads + h) * DIM;
-      prefetch_rows<T, DIM>(k_cache + next, stride, std::min(block_size, end - first - block_size));
-      prefetch_rows<T, DIM>(v_cache + next, stride, std::min(block_size, end - first - block_size));
+    if (first + block_size < end) {  // the next block's rows (the paired layout's slabs are rows of DIM too)
+      const BlockRef<T> next = block_ref<paired, T, DIM>(k_cache, v_cache, table[first / block_size + 1], h, kv_heads,
+                                                         block_size);
+      const int64_t rows = paired ? block_size : std::min(block_size, end - first - block_size);
+      prefetch_rows<T, DIM>(next.k, paired ? DIM : next.stride, rows);
+      prefetch_rows<T, DIM>(next.v, paired ? DIM : next.stride, rows);
     }
-    task.block(k_cache + base, v_cache + base, stride, count, h0, h1);
+    task.block(block_ref<paired, T, DIM>(k_cache, v_cache, table[first / block_size], h, kv_heads, block_size), count,
+               h0, h1);
   }
 }
 
-template <typename T, int64_t DIM>
+template <typename Task, typename T, int64_t DIM>
 void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
                  const int64_t* order, T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
                  int64_t max_blocks, float scale) {
   const int64_t group = heads / kv_heads;
   const std::vector<RowGroup> groups = group_rows(tables, lens, order, rows, max_blocks, block_size, kMaxHeads / group);
   at::parallel_for(0, static_cast<int64_t>(groups.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    using Task = typename TaskFor<T, DIM>::type;
     auto task = std::make_unique<Task>();
     for (int64_t w = begin; w < end; ++w) {
       const RowGroup& rg = groups[w / kv_heads];
@@ -521,21 +586,47 @@ bool is_permutation(const torch::Tensor& order) {  // int64, contiguous
   return true;
 }
 
+// The pools' layout and sizes, from their shapes (see the top of this file).
+struct PoolShape {
+  bool paired;
+  int64_t kv_heads, block_size, head_dim;
+};
+
+PoolShape pool_shape(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  if (k_cache.dim() == 4) {
+    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_decode: k_cache and v_cache shapes differ");
+    return {false, k_cache.size(2), k_cache.size(1), k_cache.size(3)};
+  }
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(4) == 2 && v_cache.size(4) == 2 &&
+                  v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                  v_cache.size(3) == 2 * k_cache.size(2) && k_cache.size(3) == 2 * v_cache.size(2),
+              "paged_decode: caches must be [blocks, block_size, kv_heads, D] (tokens) or k [blocks, kv_heads, D / 2, "
+              "block_size, 2] and v [blocks, kv_heads, block_size / 2, D, 2] (paired)");
+  return {true, k_cache.size(1), k_cache.size(3), v_cache.size(3)};
+}
+
 }  // namespace
+
+bool paired_kv_layout_built() { return kPairedLayoutBuilt; }
 
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                                      double scale, bool with_lse,
                                                      std::optional<torch::Tensor> row_order) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: shapes");
+  TORCH_CHECK(q.dim() == 3, "paged_decode: q must be [rows, heads, head_dim]");
+  const PoolShape pool = pool_shape(k_cache, v_cache);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_decode: q, k_cache and v_cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode: block_tables and context_lens must be int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "paged_decode: head shapes");
-  TORCH_CHECK(q.size(1) / k_cache.size(2) <= 16 && k_cache.size(1) <= 64, "paged_decode: at most 16 query heads per "
+  TORCH_CHECK(q.size(1) % pool.kv_heads == 0 && q.size(2) == pool.head_dim, "paged_decode: head shapes");
+  TORCH_CHECK(q.size(1) / pool.kv_heads <= 16 && pool.block_size <= 64, "paged_decode: at most 16 query heads per "
               "KV head and 64 tokens per block");
+  TORCH_CHECK(!pool.paired || (kPairedLayoutBuilt && q.scalar_type() == torch::kBFloat16 && pool.block_size % 16 == 0 &&
+                               pool.head_dim % 32 == 0),
+              "paged_decode: the paired layout needs bfloat16 on a CPU with AVX-512 BF16, block_size a multiple of 16 "
+              "and head_dim of 32");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "paged_decode: rows");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -552,25 +643,44 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   auto out = torch::empty_like(q);
   auto lse = with_lse ? torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32)) : torch::Tensor();
   const int64_t dim = q.size(2);
-  auto run = [&](auto element, auto dim_constant) {
+  auto run = [&](auto task, auto element, auto dim_constant) {
     using T = decltype(element);
-    decode_rows<T, decltype(dim_constant)::value>(
+    decode_rows<typename decltype(task)::type, T, decltype(dim_constant)::value>(
         q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
         context_lens.data_ptr<int64_t>(), order.data_ptr<int64_t>(), out.data_ptr<T>(), with_lse ? lse.data_ptr<float>() : nullptr, q.size(0),
-        q.size(1), k_cache.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+        q.size(1), pool.kv_heads, pool.block_size, block_tables.size(1), static_cast<float>(scale));
+  };
+  auto tokens = [&](auto element, auto dim_constant) {
+    run(TaskFor<decltype(element), decltype(dim_constant)::value>{}, element, dim_constant);
   };
   auto by_dim = [&](auto element) {
     switch (dim) {  // keep in step with SUPPORTED_HEAD_DIMS in paged_decode_cpu.py
-      case 8: return run(element, std::integral_constant<int64_t, 8>{});
-      case 16: return run(element, std::integral_constant<int64_t, 16>{});
-      case 32: return run(element, std::integral_constant<int64_t, 32>{});
-      case 64: return run(element, std::integral_constant<int64_t, 64>{});
-      case 80: return run(element, std::integral_constant<int64_t, 80>{});
-      case 96: return run(element, std::integral_constant<int64_t, 96>{});
-      case 128: return run(element, std::integral_constant<int64_t, 128>{});
+      case 8: return tokens(element, std::integral_constant<int64_t, 8>{});
+      case 16: return tokens(element, std::integral_constant<int64_t, 16>{});
+      case 32: return tokens(element, std::integral_constant<int64_t, 32>{});
+      case 64: return tokens(element, std::integral_constant<int64_t, 64>{});
+      case 80: return tokens(element, std::integral_constant<int64_t, 80>{});
+      case 96: return tokens(element, std::integral_constant<int64_t, 96>{});
+      case 128: return tokens(element, std::integral_constant<int64_t, 128>{});
       default: TORCH_CHECK(false, "paged_decode: head_dim ", dim, " is not compiled");
     }
   };
-  fleetserve::dispatch_float_dtype(q.scalar_type(), "paged_decode", by_dim);
+  if (!pool.paired) {
+    fleetserve::dispatch_float_dtype(q.scalar_type(), "paged_decode", by_dim);
+    return {out, lse};
+  }
+#if defined(__AVX512BF16__)
+  auto paired = [&](auto dim_constant) {
+    struct Paired { using type = PairedTask<decltype(dim_constant)::value>; };
+    run(Paired{}, at::BFloat16{}, dim_constant);
+  };
+  switch (dim) {  // the paired layout's head sizes: multiples of 32
+    case 32: paired(std::integral_constant<int64_t, 32>{}); break;
+    case 64: paired(std::integral_constant<int64_t, 64>{}); break;
+    case 96: paired(std::integral_constant<int64_t, 96>{}); break;
+    case 128: paired(std::integral_constant<int64_t, 128>{}); break;
+    default: TORCH_CHECK(false, "paged_decode: head_dim ", dim, " is not compiled for the paired layout");
+  }
+#endif
   return {out, lse};
 }

@@ -112,6 +112,7 @@ class EngineStats:
     compiled: bool = False  # the layers' dense halves run compiled (EngineConfig.compile)
     kernels: str = "torch"  # what a step runs on: "torch" | "triton" (EngineConfig.kernels resolved)
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs
+    kv_layout: str = "tokens"  # the KV pools' layout (EngineConfig.kv_layout resolved)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -154,7 +155,7 @@ class Engine:
         kernels = config.kernel_choice
         self.runner = ModelRunner(model.to(config.device), config.num_blocks, config.block_size, kernels=kernels,
                                   cuda_graphs=config.uses_cuda_graphs, max_decode_rows=config.scheduler.max_num_seqs,
-                                  max_model_len=max_len)
+                                  max_model_len=max_len, kv_layout=config.kv_layout)
         # NOTE: compiled here, at start-up, so that no request waits on the compiler. The Triton
         # layers are fused kernels already: nothing for inductor to fuse.
         if config.compile and kernels == "triton":
@@ -567,6 +568,7 @@ class Engine:
             compiled=self.compile_seconds is not None,
             kernels=self.runner.kernels,
             cuda_graphs=self.runner.graphs is not None,
+            kv_layout=self.runner.kv_layout,
         )
 
     # --- internals -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_layout import LAYOUTS
 from shared.engine.dtype_choice import DTYPE_NAMES, DtypeChoice, resolve_dtype
 from shared.engine.kernel_choice import KERNEL_NAMES, resolve_kernels
 from shared.engine.kv.hicache_config import HiCacheConfig
@@ -35,6 +36,9 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs, one per batch-size bucket (shared.engine.decode_graphs);
     # only with the Triton kernels on CUDA, ignored elsewhere
     cuda_graphs: bool = True
+    # KV pool layout (kernels.kv_layout): "auto" (paired where the CPU decode kernel reads it in
+    # bf16: no transposes on its reads) | "tokens" | "paired"
+    kv_layout: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # host/disk KV tiers
 
@@ -48,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"prefix_index must be 'radix' or 'hashed', got {self.prefix_index!r}")
         if self.kernels not in KERNEL_NAMES:
             raise ValueError(f"kernels must be one of {list(KERNEL_NAMES)}, got {self.kernels!r}")
+        if self.kv_layout not in LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {list(LAYOUTS)}, got {self.kv_layout!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.hicache.enabled and self.prefix_index != "radix":

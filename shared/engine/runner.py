@@ -9,7 +9,9 @@ import torch
 from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
 from kernels.greedy_head import greedy_head
+from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
+from kernels.paged_decode_cpu import supports_paired
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
 from kernels.triton_decode_attention import launch_programs
 from kernels.triton_layers import TRITON_LAYERS
@@ -47,33 +49,36 @@ class ModelRunner:
     per-step tensor live on the model's device (``self.device``), wherever the caller put it.
 
     ``kernels`` ("torch" or "triton", ``shared.engine.kernel_choice``) picks the attention and
-    the layers' fused ops; with "triton" on a CUDA device and ``cuda_graphs``, decode-only
+    the layers' fused ops; ``kv_layout`` the pools' layout (``kernels.kv_layout``): "auto" is
+    the paired one where the CPU decode kernel reads it, else tokens; with "triton" on a CUDA device and ``cuda_graphs``, decode-only
     steps of up to ``max_decode_rows`` rows replay CUDA graphs (``shared.engine.decode_graphs``)
     captured here for contexts up to ``max_model_len``."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kernels: str = "torch",
-                 cuda_graphs: bool = False, max_decode_rows: int = 256, max_model_len: int = 8192):
+                 cuda_graphs: bool = False, max_decode_rows: int = 256, max_model_len: int = 8192,
+                 kv_layout: str = "auto"):
         cfg = model.config
         self.dtype = dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.model = model
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # NOTE: one buffer per layer, not one [L, ...] tensor: in-place writes into slices of a
-        # single buffer get functionalized into whole-buffer copies under torch.compile.
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
-        self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype, self.device)
-        self.profile: StepProfile | None = None  # set by Engine.enable_profile
         # On a CPU the compiled kernel reads every decode row's blocks in place (where it builds):
         # faster there than the cascade of batched GEMMs over gathered copies, which remains
         # the path of other devices (until their kernels) and the reference.
         self.kernels = kernels
         self.decode_in_place = kernels == "torch" and self.device.type == "cpu" and supports_in_place_decode(
             cfg.head_dim, dtype)
+        self.kv_layout = _resolve_layout(kv_layout, self.decode_in_place and supports_paired(cfg.head_dim, dtype,
+                                                                                             block_size))
+        # NOTE: one buffer per layer, not one [L, ...] tensor: in-place writes into slices of a
+        # single buffer get functionalized into whole-buffer copies under torch.compile.
+        self.kv_caches: list[KVCache] = [
+            allocate_kv(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
+                        paired=self.kv_layout == "paired")
+            for _ in range(cfg.num_layers)
+        ]
+        self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype, self.device)
+        self.profile: StepProfile | None = None  # set by Engine.enable_profile
         if kernels == "triton":
             check_tiles(block_size=block_size, head_dim=cfg.head_dim)
             model.layer_functions = TRITON_LAYERS
@@ -223,9 +228,21 @@ class ModelRunner:
         src = torch.tensor([s for c in copies for s in c.src], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for c in copies for d in c.dst], dtype=torch.int64, device=self.device)
         for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst] = flat[src]
+            copy_slots(k_cache, True, src, dst)
+            copy_slots(v_cache, False, src, dst)
+
+
+def _resolve_layout(requested: str, paired_supported: bool) -> str:
+    """"tokens" or "paired" for ``requested`` (``kernels.kv_layout.LAYOUTS``); ValueError for a
+    paired layout no kernel here reads."""
+    if requested not in LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {list(LAYOUTS)}, got {requested!r}")
+    if requested == "paired" and not paired_supported:
+        raise ValueError("kv_layout 'paired' needs the CPU decode kernel in bfloat16 on a CPU with AVX-512 BF16 "
+                         "(block_size a multiple of 16, head_dim of 32)")
+    if requested == "auto":
+        return "paired" if paired_supported else "tokens"
+    return requested
 
 
 class _FlopCounter:

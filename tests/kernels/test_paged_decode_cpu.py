@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.paged_decode_cpu import paged_decode_kernel
+from kernels.kv_layout import allocate_kv, write_kv
+from kernels.paged_decode_cpu import paged_decode_kernel, supports_paired
 
 if paged_decode_kernel() is None and shutil.which("g++") is not None:
     pytest.fail("a C++ compiler is here but the CPU decode kernel did not build (see the log)")
@@ -88,3 +89,46 @@ def test_without_lse_the_second_result_is_none_and_bad_input_is_refused():
         kernel(q.bfloat16(), cache, cache, tables, lens, 0.1, False)
     with pytest.raises(RuntimeError, match="head_dim 24 is not compiled"):
         kernel(torch.randn(2, 4, 24), *[torch.randn(8, 4, 2, 24)] * 2, tables, lens, 0.1, False)
+
+
+@pytest.mark.skipif(not supports_paired(64, torch.bfloat16, 16), reason="the paired layout needs AVX-512 BF16")
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 12), kv_heads=st.sampled_from([1, 3]),
+       group=st.sampled_from([1, 3, 5, 8]), dim=st.sampled_from([32, 64, 128]), block_size=st.sampled_from([16, 32]))
+def test_paired_layout_gives_the_tokens_layouts_results_exactly(seed, rows, kv_heads, group, dim, block_size):
+    """The same K/V written into both layouts: the same bits out (the same products in the same
+    order), with the paired slabs' unwritten slots holding NaN (never read into a result)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = 32
+    tokens = allocate_kv(num_blocks, block_size, kv_heads, dim, torch.bfloat16, "cpu", paired=False)
+    paired = [pool.fill_(float("nan")) for pool in
+              allocate_kv(num_blocks, block_size, kv_heads, dim, torch.bfloat16, "cpu", paired=True)]
+    lens = [rng.randrange(1, 4 * block_size + 1) for _ in range(rows)]
+    shared = rng.sample(range(num_blocks), 2)  # a prompt some rows share
+    tables = []
+    for n in lens:
+        needed = -(-n // block_size)
+        head = shared[:needed] if rng.random() < 0.5 else []
+        tables.append(head + rng.sample([b for b in range(num_blocks) if b not in head], needed - len(head)))
+    slots = torch.tensor(sorted({t[p // block_size] * block_size + p % block_size
+                                 for t, n in zip(tables, lens) for p in range(n)}))
+    k, v = (torch.randn(len(slots), kv_heads, dim).bfloat16() for _ in range(2))
+    write_kv(*tokens, k, v, slots)
+    write_kv(*paired, k, v, slots)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(rows, kv_heads * group, dim).bfloat16()
+    order = torch.tensor(sorted(range(rows), key=lambda r: tables[r]))
+    want = paged_decode_kernel()(q, *tokens, padded, torch.tensor(lens), dim**-0.5, True, order)
+    got = paged_decode_kernel()(q, *paired, padded, torch.tensor(lens), dim**-0.5, True, order)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_paired_layout_is_refused_where_its_task_cannot_read_it():
+    k, v = allocate_kv(4, 16, 2, 32, torch.float32, "cpu", paired=True)
+    q, tables, lens = torch.randn(1, 4, 32), torch.tensor([[1]]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="paired layout needs bfloat16"):
+        paged_decode_kernel()(q, k, v, tables, lens, 0.1, False)
+    with pytest.raises(RuntimeError, match="caches must be"):
+        paged_decode_kernel()(q.bfloat16(), k.bfloat16(), k.bfloat16(), tables, lens, 0.1, False)

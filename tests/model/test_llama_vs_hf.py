@@ -10,7 +10,9 @@ import torch
 from cloudd.hf_baseline import build_hf_model
 from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
+from kernels.kv_layout import allocate_kv
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
+from kernels.paged_decode_cpu import supports_paired
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.block_pool import NULL_BLOCK
@@ -76,12 +78,15 @@ def test_prefill_and_decode_logits_match_hf(models, prompt, default_checkpoint):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("in_place", [False, True], ids=["torch-cascade", "cpu-kernel"])
-def test_bf16_logits_stray_from_fp32_no_more_than_hf_bf16s(models, prompt, default_checkpoint, in_place):
+@pytest.mark.parametrize(("in_place", "paired"), [(False, False), (True, False), (True, True)],
+                         ids=["torch-cascade", "cpu-kernel", "cpu-kernel-paired-kv"])
+def test_bf16_logits_stray_from_fp32_no_more_than_hf_bf16s(models, prompt, default_checkpoint, in_place, paired):
     """bf16 rounds; what it may not do is round worse than HF transformers in bf16 does. Both are
     measured against HF in fp32, prefill and decode positions alike."""
     if in_place and not supports_in_place_decode(default_checkpoint.config.head_dim, torch.bfloat16):
         pytest.skip("the CPU decode kernel could not be built here")
+    if paired and not supports_paired(default_checkpoint.config.head_dim, torch.bfloat16, BLOCK):
+        pytest.skip("the paired KV layout needs AVX-512 BF16")
     _, hf32 = models
     cfg = default_checkpoint.config
     ours = build_model(cfg, default_checkpoint.weights, dtype=torch.bfloat16)
@@ -90,8 +95,8 @@ def test_bf16_logits_stray_from_fp32_no_more_than_hf_bf16s(models, prompt, defau
     ids = torch.tensor([prompt + extra])
     reference = hf32(ids).logits[0]
     hf_error = (hf16(ids).logits[0].float() - reference).abs()
-    kv = [(torch.zeros(64, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16),
-           torch.zeros(64, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)) for _ in range(cfg.num_layers)]
+    kv = [allocate_kv(64, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu", paired)
+          for _ in range(cfg.num_layers)]
     table = list(range(1, 64))
     logits = [_paged_forward(ours, kv, prompt, 0, table)]
     logits += [_paged_forward(ours, kv, [t], len(prompt) + i, table, in_place) for i, t in enumerate(extra)]

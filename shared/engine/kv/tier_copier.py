@@ -42,13 +42,13 @@ class TierCopier:
     """Owns the host tensor and the worker. ``submit`` queues; ``completed`` collects."""
 
     def __init__(self, kv_caches: list[KVCache], num_host_pages: int, disk: DiskTier | None) -> None:
-        k0 = kv_caches[0][0]  # [num_blocks, block_size, kv_heads, head_dim]
+        k0 = kv_caches[0][0]  # [num_blocks, ...]: a block's K is k0[block] whatever the layout
         self.kv_caches = kv_caches
         self.disk = disk
         self.page_bytes = page_bytes(kv_caches)
         pin = k0.is_cuda
-        self.host = torch.zeros((num_host_pages, len(kv_caches), 2, *k0.shape[1:]), dtype=k0.dtype,
-                                pin_memory=pin)
+        self.host = torch.zeros((num_host_pages, len(kv_caches), 2, k0[0].numel()), dtype=k0.dtype,
+                                pin_memory=pin)  # a page: each layer's K and V block, flat
         self._valid = bytearray(num_host_pages)  # worker-only: the page holds the data keyed to it
         self._stream = torch.cuda.Stream(device=k0.device) if k0.is_cuda else None
         self._load_stream = torch.cuda.Stream(device=k0.device) if k0.is_cuda else None
@@ -163,7 +163,7 @@ class TierCopier:
         with self._on_side_stream():
             # NOTE: on a GPU these are pinned temporaries whose copies are still in flight; they
             # are complete only once the side stream is synchronized (on leaving this block).
-            staged = [[cache.index_select(0, blocks).to("cpu", non_blocking=True) for cache in kv_cache]
+            staged = [[_blocks(cache).index_select(0, blocks).to("cpu", non_blocking=True) for cache in kv_cache]
                       for kv_cache in self.kv_caches]
         for layer, pair in enumerate(staged):
             for kv, tensor in enumerate(pair):
@@ -208,16 +208,21 @@ class TierCopier:
         pin = self.host.is_pinned()
         for layer, kv_cache in enumerate(self.kv_caches):
             for kv, cache in enumerate(kv_cache):
-                src = self.host[:, layer, kv]  # [pages, block_size, kv_heads, head_dim], a view
+                src = self.host[:, layer, kv]  # [pages, block elements], a view
                 staged = torch.empty((len(pages), *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
                 torch.index_select(src, 0, page_ids, out=staged)
-                cache.index_copy_(0, block_ids, staged.to(dev, non_blocking=True))
+                _blocks(cache).index_copy_(0, block_ids, staged.to(dev, non_blocking=True))
             if fence is not None:
                 fence.landed(layer)
 
     def _on_side_stream(self):
         """A context that runs copies on the side stream and waits for them on exit (GPU)."""
         return _SideStream(self._stream)
+
+
+def _blocks(cache: torch.Tensor) -> torch.Tensor:
+    """A K or V pool as one flat row per block (either layout of ``kernels.kv_layout``)."""
+    return cache.view(cache.shape[0], -1)
 
 
 class _SideStream:
