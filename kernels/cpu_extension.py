@@ -1,5 +1,6 @@
 """The CPU kernels (``csrc/*.cpp``), one C++ extension module: paged decode attention
-(``kernels.paged_decode_cpu``), the softmax with log-sum-exp of the GEMM attention
+(``kernels.paged_decode_cpu``) and its paired KV layout's writes and gathers (``kernels.kv_layout``),
+the softmax with log-sum-exp of the GEMM attention
 (``kernels.softmax_lse_cpu``), each row's next token, greedy or drawn (``kernels.sample_cpu``), and
 the block-quantized weights' matmul of edged's batch-1 forwards (``kernels.block_matmul_cpu``).
 
@@ -20,8 +21,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "block_matmul_cpu.cpp", "block_layer_cpu.cpp",
-           "bindings.cpp")
+SOURCES = ("paged_decode_cpu.cpp", "kv_layout_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "block_matmul_cpu.cpp",
+           "block_layer_cpu.cpp", "bindings.cpp")
 
 
 @functools.cache

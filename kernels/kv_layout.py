@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_extension import cpu_kernels
+
 LAYOUTS = ("auto", "tokens", "paired")
 
 
@@ -53,15 +55,25 @@ def _token_order(cache: torch.Tensor, key: bool) -> torch.Tensor:
     return cache.permute(0, 3, 1, 2, 4) if key else cache.permute(0, 2, 4, 1, 3)
 
 
-def _slot_index(cache: torch.Tensor, key: bool, slots: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(view, index): ``view[index]`` is ``[len(slots), kv_heads, ...]``, the slots' K or V."""
+def _element_index(cache: torch.Tensor, key: bool, slots: torch.Tensor) -> torch.Tensor:
+    """``[len(slots) * kv_heads * head_dim]`` int64: where the slots' K (``key``) or V elements
+    lie in ``cache.view(-1)``, slot by slot, each in (head, dimension) order."""
     if not is_paired(cache):
-        return cache.view(-1, *cache.shape[2:]), (slots,)
-    block_size = cache.shape[3] if key else 2 * cache.shape[2]
+        _, _, kv_heads, dim = cache.shape
+        lanes = torch.arange(kv_heads * dim, device=cache.device)
+        return (slots[:, None] * (kv_heads * dim) + lanes).view(-1)
+    kv_heads = cache.shape[1]
+    block_size, dim = (cache.shape[3], 2 * cache.shape[2]) if key else (2 * cache.shape[2], cache.shape[3])
     blocks, offsets = slots // block_size, slots % block_size
-    if key:  # [N, block_size, kv_heads, head_dim / 2, 2]
-        return _token_order(cache, key), (blocks, offsets)
-    return _token_order(cache, key), (blocks, offsets // 2, offsets % 2)  # [N, block_size / 2, 2, kv_heads, head_dim]
+    head = torch.arange(kv_heads, device=cache.device)[:, None] * (dim * block_size)  # a (block, head) slab
+    d = torch.arange(dim, device=cache.device)[None, :]
+    if key:  # [.., dim / 2, block_size, 2]: pair row d // 2, key column, element d % 2
+        token = offsets * 2
+        lanes = head + (d // 2) * (2 * block_size) + d % 2
+    else:  # [.., block_size / 2, dim, 2]: key pair, dimension, element offset % 2
+        token = (offsets // 2) * (2 * dim) + offsets % 2
+        lanes = head + 2 * d
+    return (blocks[:, None] * (kv_heads * dim * block_size) + token[:, None] + lanes.view(1, -1)).view(-1)
 
 
 def write_kv(
@@ -77,27 +89,40 @@ def write_kv(
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
         return
-    for cache, new, key in ((k_cache, k, True), (v_cache, v, False)):
-        view, index = _slot_index(cache, key, slot_mapping)
-        view[index] = new.reshape(new.shape[0], *view.shape[len(index):])
+    native = _native(k_cache)
+    if native is not None:
+        native.paired_write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    for cache, new, key in ((k_cache, k, True), (v_cache, v, False)):  # the plain-torch twin
+        cache.view(-1).index_copy_(0, _element_index(cache, key, slot_mapping), new.reshape(-1))
 
 
 def copy_slots(cache: torch.Tensor, key: bool, src: torch.Tensor, dst: torch.Tensor) -> None:
     """``cache``'s slots ``dst`` take the K (``key``) or V of slots ``src`` (in place)."""
-    view, to = _slot_index(cache, key, dst)
-    _, of = _slot_index(cache, key, src)
-    view[to] = view[of]
+    flat = cache.view(-1)
+    flat[_element_index(cache, key, dst)] = flat[_element_index(cache, key, src)]
 
 
 def gather(cache: torch.Tensor, key: bool, block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[..., nb] block ids -> [..., nb * block_size, kv_heads, head_dim]: the blocks' K (``key``)
-    or V in the tokens layout, contiguous (``out``: where the blocks are read to; a paired pool's
-    are then reordered into a new tensor)."""
+    or V in the tokens layout, contiguous (``out``: where a tokens pool's blocks go; a paired
+    pool's go to a new tensor)."""
     # NOTE: index_select over 2-D rows (one block each) is a parallel memcpy; over the 4-D
     # tensor it is several times slower on CPU.
-    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_table.flatten(), out=out)
     if not is_paired(cache):
+        rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_table.flatten(), out=out)
         return rows.view(*block_table.shape[:-1], -1, *cache.shape[2:])
-    blocks = _token_order(rows.view(-1, *cache.shape[1:]), key)
+    native = _native(cache)
+    if native is not None:
+        tokens = native.paired_gather(cache, key, block_table.flatten())
+    else:  # the plain-torch twin
+        tokens = _token_order(cache.index_select(0, block_table.flatten()), key)
     head_dim = 2 * cache.shape[2] if key else cache.shape[3]
-    return blocks.reshape(*block_table.shape[:-1], -1, cache.shape[1], head_dim)
+    return tokens.reshape(*block_table.shape[:-1], -1, cache.shape[1], head_dim)
+
+
+def _native(cache: torch.Tensor):
+    """The CPU extension, whose paired writes and gathers are a loop of stores where the torch
+    twins scatter or transpose element by element (4-8x slower), or None (not built, not a CPU
+    pool)."""
+    return cpu_kernels() if cache.is_cpu else None

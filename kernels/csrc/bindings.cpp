@@ -7,6 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
   m.def("paired_kv_layout_built", &paired_kv_layout_built,
         "whether paged_decode reads the paired KV layout here (bf16 on a CPU with AVX-512 BF16)");
+  m.def("paired_write_kv", &paired_write_kv, "the new tokens' K/V stored at their slots of paired-layout pools (CPU)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slots"));
+  m.def("paired_gather", &paired_gather, "blocks of a paired-layout K (key) or V pool in the tokens layout (CPU)",
+        py::arg("cache"), py::arg("key"), py::arg("blocks"));
   m.def("softmax_lse_", &softmax_lse_, "in-place softmax of scaled scores over visible keys, returning the lse (CPU)",
         py::arg("scores"), py::arg("visible"), py::arg("scale"));
   m.def("sample_rows", &sample_rows, "one token per row: first largest (temperature 0) or drawn from softmax(x / temperature) (CPU)", py::arg("x"),

@@ -14,6 +14,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
 // Whether this build reads the paired KV layout (bf16 on a CPU with AVX-512 BF16).
 bool paired_kv_layout_built();
 
+// The paired KV layout's writes at slots and gathers of blocks into the tokens layout
+// ([blocks * block_size, kv_heads, D]) (kv_layout_cpu.cpp).
+void paired_write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                     torch::Tensor slots);
+torch::Tensor paired_gather(torch::Tensor cache, bool key, torch::Tensor blocks);
+
 // Softmax of attention scores in place over each row's visible keys, with its log-sum-exp
 // (softmax_lse_cpu.cpp).
 torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double scale);

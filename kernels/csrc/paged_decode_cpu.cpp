@@ -135,15 +135,18 @@ struct DecodeTask {
 
 #if defined(__AVX512BF16__)
 // The bf16 task on CPUs with AVX-512 BF16, 16 keys at a time in vector registers:
-//   q . k   the 16 keys' rows are transposed in registers into (dimension pair) x (key) order,
-//           so one bf16 dot-product instruction adds a query's pair of dimensions to all 16
-//           scores at once (no horizontal sums); every query head of the group reuses the
-//           transposed keys;
+//   q . k   the keys in (dimension pair) x (key) order, so one bf16 dot-product instruction
+//           adds a query's pair of dimensions to all 16 scores at once (no horizontal sums);
+//           every query head of the group reuses them. The paired layout stores them so; the
+//           tokens layout's key rows are transposed in registers (128 shuffles a 16-key tile
+//           at head_dim 64, which a row's own blocks pay for only its group's few heads);
 //   softmax the 16 scores of a head as one vector: max, exp (a polynomial on 2^fraction,
 //           scaled by 2^whole), sum;
 //   p . v   two keys per bf16 dot-product instruction: each head's probabilities rounded to
-//           bf16 pairs, the two value rows interleaved, into the accumulators of up to
-//           kHeadsPerPass heads held in registers.
+//           bf16 pairs against the values of the two keys in pairs of one dimension (stored
+//           so in the paired layout, two value rows interleaved in registers in the tokens
+//           one), into the accumulators of up to kHeadsPerPass heads held in registers.
+// Both layouts compute the same products in the same order: the same bits out.
 // q . k products are exact bf16 x bf16 sums in float32; p . v rounds the probabilities to bf16
 // first, as HF's eager attention in bf16 does (its softmax output is cast to bf16 for the matmul).
 

@@ -50,9 +50,9 @@ class ModelRunner:
 
     ``kernels`` ("torch" or "triton", ``shared.engine.kernel_choice``) picks the attention and
     the layers' fused ops; ``kv_layout`` the pools' layout (``kernels.kv_layout``): "auto" is
-    the paired one where the CPU decode kernel reads it, else tokens; with "triton" on a CUDA device and ``cuda_graphs``, decode-only
-    steps of up to ``max_decode_rows`` rows replay CUDA graphs (``shared.engine.decode_graphs``)
-    captured here for contexts up to ``max_model_len``."""
+    the paired one where the CPU decode kernel reads it, else tokens; with "triton" on a CUDA
+    device and ``cuda_graphs``, decode-only steps of up to ``max_decode_rows`` rows replay CUDA
+    graphs (``shared.engine.decode_graphs``) captured here for contexts up to ``max_model_len``."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kernels: str = "torch",
                  cuda_graphs: bool = False, max_decode_rows: int = 256, max_model_len: int = 8192,
