@@ -84,7 +84,7 @@ def attention_with_lse(
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # either layout of kernels.kv_layout
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
