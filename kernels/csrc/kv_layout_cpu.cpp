@@ -57,14 +57,19 @@ void gather_blocks(const E* cache, bool key, const int64_t* blocks, int64_t coun
       E* rows = out + j * s.block_size * row;  // the block's tokens, [block_size, kv_heads, dim]
       for (int64_t h = 0; h < s.kv_heads; ++h) {
         const E* src = cache + (blocks[j] * s.kv_heads + h) * slab;
-        for (int64_t o = 0; o < s.block_size; ++o) {
-          E* dst = rows + o * row + h * s.dim;
-          if (key) {
-            for (int64_t p = 0; p < s.dim / 2; ++p)
-              std::memcpy(dst + 2 * p, src + (p * s.block_size + o) * 2, 2 * sizeof(E));
-          } else {
-            const E* pair = src + (o / 2) * 2 * s.dim + o % 2;
-            for (int64_t d = 0; d < s.dim; ++d) dst[d] = pair[2 * d];
+        E* dst = rows + h * s.dim;  // key o's row: dst + o * row
+        if (key) {  // each pair row (a pair of dimensions, every key) read in order
+          for (int64_t p = 0; p < s.dim / 2; ++p)
+            for (int64_t o = 0; o < s.block_size; ++o)
+              std::memcpy(dst + o * row + 2 * p, src + (p * s.block_size + o) * 2, 2 * sizeof(E));
+        } else {  // each key pair's row split into its two keys' rows
+          for (int64_t o = 0; o < s.block_size; o += 2) {
+            const E* pair = src + o * s.dim;
+            E *first = dst + o * row, *second = first + row;
+            for (int64_t d = 0; d < s.dim; ++d) {
+              first[d] = pair[2 * d];
+              second[d] = pair[2 * d + 1];
+            }
           }
         }
       }
