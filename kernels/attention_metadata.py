@@ -90,6 +90,47 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class KernelRows:
+    """Every query row of a step as a kernel that reads the pools in place takes them: row ``i``
+    (the step's token ``i``) attends to keys ``[0, context_lens[i])`` of its sequence, found
+    through ``block_tables[i]``. A prefill segment's tokens are rows like decode rows, each
+    seeing its context up to itself (the causal mask as lengths)."""
+
+    block_tables: torch.Tensor  # [num_tokens, max blocks] int64, null-padded
+    context_lens: torch.Tensor  # [num_tokens] int64
+    # Rows sorted by block table, the order the kernel runs them in: rows that share blocks (a
+    # system prompt, a robot's scene, a prompt's own tokens) run next to each other.
+    order: torch.Tensor  # [num_tokens] int64, a permutation
+
+    @staticmethod
+    def build(
+        decode_block_tables: list[list[int]],
+        decode_context_lens: list[int],
+        prefills: list[tuple[list[int], int, int]],
+        null_block: int,
+        device: torch.device | str,
+    ) -> "KernelRows":
+        """From ``AttentionMetadata.build``'s inputs: one run of rows per decode row (one row) and
+        per prefill segment (``num_new`` rows sharing its table), expanded with numpy."""
+        tables = decode_block_tables + [table for table, _, _ in prefills]
+        first_lens = np.array(decode_context_lens + [cached + 1 for _, cached, _ in prefills], dtype=np.int64)
+        counts = np.array([1] * len(decode_block_tables) + [new for _, _, new in prefills], dtype=np.int64)
+        starts = np.cumsum(counts) - counts  # each run's first row
+        run_of_row = np.repeat(np.arange(len(tables)), counts)
+        lens = first_lens[run_of_row] + np.arange(int(counts.sum())) - starts[run_of_row]
+        # runs sorted by table, each run's rows in position order: sorted row j of run k is row
+        # starts[k] + (j - where run k begins in the sorted order)
+        runs = np.array(sorted(range(len(tables)), key=tables.__getitem__), dtype=np.int64)
+        sorted_starts = np.cumsum(counts[runs]) - counts[runs]
+        order = np.repeat(starts[runs] - sorted_starts, counts[runs]) + np.arange(len(lens))
+        return KernelRows(
+            block_tables=padded_rows(tables, null_block, device).index_select(0, torch.from_numpy(run_of_row).to(device)),
+            context_lens=torch.from_numpy(lens).to(device),
+            order=torch.from_numpy(order).to(device),
+        )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's K/V go and what each query may see."""
 
@@ -101,13 +142,9 @@ class AttentionMetadata:
     # layer costs page faults that dwarf the copy itself.
     decode_gather_buffer: torch.Tensor  # [2, blocks of the largest batch, block numel]
     prefills: tuple[PrefillSegment, ...]
-    # With ``in_place``: each decode row's whole block table, for a kernel that reads the pools
-    # in place (then ``decode_batches`` is empty). None otherwise.
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max blocks] int64, NULL-padded
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
-    # Rows sorted by block table, the order the kernel runs them in: rows that share blocks (a
-    # system prompt, a robot's scene) run next to each other and find them in cache.
-    decode_row_order: torch.Tensor | None = None  # [num_decodes] int64, a permutation
+    # With ``in_place``: every row of the step (decode rows and prefill tokens alike) for a
+    # kernel that reads the pools in place; then ``decode_batches`` and ``prefills`` are empty.
+    kernel_rows: KernelRows | None = None
 
     @staticmethod
     def build(
@@ -134,11 +171,20 @@ class AttentionMetadata:
             query_group: query heads per KV head (GQA).
             min_saved_tokens: read a shared segment once when that saves at least this many
                 token reads (smaller ones are cheaper inside each row's own gather).
-            in_place: describe the decode rows as whole block tables for an in-place kernel
-                (``decode_block_tables`` / ``decode_context_lens``) instead of cascade batches.
+            in_place: describe every row of the step, prefill tokens included, for an in-place
+                kernel (``kernel_rows``) instead of cascade batches and prefill segments.
         """
-        problems, num_parts = ([], 1) if in_place else decode_problems(
-            decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
+        if in_place:
+            return AttentionMetadata(
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+                num_decodes=len(decode_block_tables),
+                decode_batches=(),
+                num_decode_parts=1,
+                decode_gather_buffer=workspace.take(0),
+                prefills=(),
+                kernel_rows=KernelRows.build(decode_block_tables, decode_context_lens, prefills, null_block, device),
+            )
+        problems, num_parts = decode_problems(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
         batches = tuple(
             DecodeBatch.build(group, num_parts, block_size, null_block, device) for group in _batch_problems(problems)
         )
@@ -149,10 +195,6 @@ class AttentionMetadata:
             num_decode_parts=num_parts,
             decode_gather_buffer=workspace.take(max((b.block_tables.numel() for b in batches), default=0)),
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
-            decode_block_tables=padded_rows(decode_block_tables, null_block, device) if in_place else None,
-            decode_context_lens=torch.tensor(decode_context_lens, dtype=torch.int64, device=device) if in_place else None,
-            decode_row_order=torch.tensor(sorted(range(len(decode_block_tables)), key=lambda r: decode_block_tables[r]),
-                                          dtype=torch.int64, device=device) if in_place else None,
         )
 
 

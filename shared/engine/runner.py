@@ -104,7 +104,8 @@ class ModelRunner:
         A short chunk that extends a cached context (a decode, or a decode with jump-forward
         drafts) runs as decode rows, one per token, each seeing the context up to itself: the
         cascade decode attention then reads the shared context once for all of them, which is
-        far cheaper than a prefill segment per request.
+        far cheaper than a prefill segment per request. (With the in-place CPU kernel every
+        token is such a row: ``kernels.attention_metadata.KernelRows``.)
         """
         hidden = self._forward(out)
         with maybe_phase(self.profile, "logits"):
@@ -176,8 +177,11 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flat tokens, their KV slots, what each attends to, and the logits rows."""
         bs = self.block_size
-        row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]
-        segment_chunks = [c for c in out.prefills if not _as_decode_rows(c)]
+        # NOTE: the in-place kernel takes a segment's tokens as rows anyway (KernelRows), built
+        # with numpy rather than per token here
+        as_rows = [not self.decode_in_place and _as_decode_rows(c) for c in out.prefills]
+        row_chunks = out.decodes + [c for c, rows in zip(out.prefills, as_rows, strict=True) if rows]
+        segment_chunks = [c for c, rows in zip(out.prefills, as_rows, strict=True) if not rows]
         step = StepInputs()
         offset: dict[int, int] = {}  # id(chunk) -> its first row
         for chunk in row_chunks:

@@ -77,7 +77,8 @@ def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int, in
         block_size=BS, null_block=0, workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
         query_group=HEADS // KVH, min_saved_tokens=1, in_place=in_place,
     )
-    assert (meta.decode_block_tables is not None) == in_place and (not in_place or not meta.decode_batches)
+    assert (meta.kernel_rows is not None) == in_place
+    assert not in_place or not (meta.decode_batches or meta.prefills)  # the kernel takes every row
     out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
 
     def context(table, length):
@@ -171,3 +172,16 @@ def test_metadata_tensors_live_on_the_given_device():
     tensors += [t for seg in meta.prefills for t in (seg.visible, seg.mask)]
     assert len(tensors) == 2 + 4 * len(meta.decode_batches) + 3 * len(meta.prefills)
     assert all(t.is_meta for t in tensors)
+
+
+def test_in_place_rows_are_every_token_seeing_its_context_up_to_itself_sorted_by_table():
+    meta = AttentionMetadata.build(
+        decode_block_tables=[[9, 3], [7, 8, 20]], decode_context_lens=[6, 11],
+        prefills=[([7, 8], 5, 3), ([4], 0, 2)],  # 3 tokens after 5 cached; a prompt's first 2
+        slot_mapping=[0] * 7, block_size=BS, null_block=0,
+        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32), in_place=True,
+    )
+    rows = meta.kernel_rows
+    assert rows.context_lens.tolist() == [6, 11, 6, 7, 8, 1, 2]
+    assert rows.block_tables.tolist() == [[9, 3, 0], [7, 8, 20], [7, 8, 0], [7, 8, 0], [7, 8, 0], [4, 0, 0], [4, 0, 0]]
+    assert rows.order.tolist() == [5, 6, 2, 3, 4, 1, 0]  # by table: [4], [7, 8], [7, 8, 20], [9, 3]
