@@ -15,10 +15,10 @@ On a CPU where the C++ kernel builds (``kernels.paged_decode_cpu``, metadata bui
 ``in_place``), one call per layer reads every row's blocks where they lie, prefill tokens
 included: each is a row that sees its context up to itself, and a prompt's rows, which share
 all their blocks but the newest, run together (``KernelRows``). On fleet-like prefill steps
-(2,048 tokens in chunks of 150-200 after 400-1,000 cached) that took 0.75-0.8 of the time of
+(2,048 tokens in chunks of 150-200 after 400-1,000 cached) that took 0.72-0.83 of the time of
 the GEMM path below, whose per-segment gathers and bf16 score matrices it does without.
-Elsewhere, and as the reference, decode attention is a cascade over shared blocks. Robots of one type share a long system
-prompt, a robot's requests share its scene, and a replan shares its whole conversation; the
+Elsewhere, and as the reference, decode attention is a cascade over shared blocks. Robots of
+one type share a long system prompt, a robot's requests share its scene, and a replan shares its whole conversation; the
 radix cache makes all of them share *physical* blocks. The decode rows' block tables form a
 trie; each trie segment that enough rows pass through is read once for all of them (all
 their queries against one K/V), each row gathers only the blocks no segment covers, and the
@@ -31,8 +31,8 @@ All index tensors and masks are built once per step (``AttentionMetadata``), not
 the device of the KV pools. A cascade's decode problems are two batched GEMMs each
 (``grouped_query_attention``). Prefill segments, where the in-place kernel does not run, are
 two GEMMs around the CPU kernel's softmax (``gemm_attention``, causal visibility as counts per
-query row) on a CPU where the extension builds; torch's flash kernel on other CPUs and the float32 `attention_with_lse` elsewhere
-(`_flash_with_lse` dispatches), with the segment's mask.
+query row) on a CPU where the extension builds; torch's flash kernel on other CPUs and the
+float32 `attention_with_lse` elsewhere (`_flash_with_lse` dispatches), with the segment's mask.
 """
 
 from __future__ import annotations
@@ -171,9 +171,10 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_decodes, heads, head_dim]
-    """One query per row, as a cascade: every row gets one partial result (output + log-sum-exp) from its own blocks (slot 0) and
-    one from each shared segment it is in; a softmax over the slots' log-sum-exps weights them
-    into the exact attention over the row's whole context.
+    """One query per row, as a cascade: every row gets one partial result (output +
+    log-sum-exp) from its own blocks (slot 0) and one from each shared segment it is in; a
+    softmax over the slots' log-sum-exps weights them into the exact attention over the row's
+    whole context.
     """
     nd, heads, dim = q.shape
     kvh = kv_heads_of(k_cache)

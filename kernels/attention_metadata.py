@@ -1,6 +1,8 @@
 """Per-step attention metadata, built once from plain ints and shared by every layer:
-where new K/V go, which blocks each decode row reads on its own, which shared block segments
-are read once for several rows (see ``kernels.attention``), and each prefill segment's causal visibility.
+where new K/V go and, for the cascade, which blocks each decode row reads on its own, which
+shared block segments are read once for several rows (see ``kernels.attention``), and each
+prefill segment's causal visibility; for a kernel that reads the pools in place, every token
+of the step as a row with its whole block table (``KernelRows``).
 """
 
 from __future__ import annotations
@@ -118,13 +120,13 @@ class KernelRows:
         starts = np.cumsum(counts) - counts  # each run's first row
         run_of_row = np.repeat(np.arange(len(tables)), counts)
         lens = first_lens[run_of_row] + np.arange(int(counts.sum())) - starts[run_of_row]
-        # runs sorted by table, each run's rows in position order: sorted row j of run k is row
-        # starts[k] + (j - where run k begins in the sorted order)
-        runs = np.array(sorted(range(len(tables)), key=tables.__getitem__), dtype=np.int64)
-        sorted_starts = np.cumsum(counts[runs]) - counts[runs]
-        order = np.repeat(starts[runs] - sorted_starts, counts[runs]) + np.arange(len(lens))
+        # rows by their run's rank in table order; a stable sort keeps a run's rows in position order
+        rank = np.empty(len(tables), dtype=np.int64)
+        rank[sorted(range(len(tables)), key=tables.__getitem__)] = np.arange(len(tables))
+        order = np.argsort(rank[run_of_row], kind="stable")
         return KernelRows(
-            block_tables=padded_rows(tables, null_block, device).index_select(0, torch.from_numpy(run_of_row).to(device)),
+            block_tables=padded_rows(tables, null_block, device).index_select(
+                0, torch.from_numpy(run_of_row).to(device)),
             context_lens=torch.from_numpy(lens).to(device),
             order=torch.from_numpy(order).to(device),
         )

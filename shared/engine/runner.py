@@ -27,8 +27,11 @@ from shared.model.llama import AttentionStep, KVCache, LlamaModel
 MAX_DECODE_ROWS_CHUNK = 48  # longer chunks (prompts) run as prefill segments
 
 
-def _as_decode_rows(chunk: ScheduledChunk) -> bool:
-    return chunk.start > 0 and len(chunk.token_ids) <= MAX_DECODE_ROWS_CHUNK
+def _as_decode_rows(chunk: ScheduledChunk, in_place: bool) -> bool:
+    """Whether a prefill chunk's tokens go in as decode rows, one per token, instead of as a
+    segment: for the cascade, a short chunk extending a cached context. The in-place kernel takes
+    a segment's tokens as rows anyway (``KernelRows``, built with numpy, not per token here)."""
+    return not in_place and chunk.start > 0 and len(chunk.token_ids) <= MAX_DECODE_ROWS_CHUNK
 
 
 @dataclass
@@ -177,11 +180,8 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flat tokens, their KV slots, what each attends to, and the logits rows."""
         bs = self.block_size
-        # NOTE: the in-place kernel takes a segment's tokens as rows anyway (KernelRows), built
-        # with numpy rather than per token here
-        as_rows = [not self.decode_in_place and _as_decode_rows(c) for c in out.prefills]
-        row_chunks = out.decodes + [c for c, rows in zip(out.prefills, as_rows, strict=True) if rows]
-        segment_chunks = [c for c, rows in zip(out.prefills, as_rows, strict=True) if not rows]
+        row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c, self.decode_in_place)]
+        segment_chunks = [c for c in out.prefills if not _as_decode_rows(c, self.decode_in_place)]
         step = StepInputs()
         offset: dict[int, int] = {}  # id(chunk) -> its first row
         for chunk in row_chunks:

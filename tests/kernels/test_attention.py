@@ -185,3 +185,13 @@ def test_in_place_rows_are_every_token_seeing_its_context_up_to_itself_sorted_by
     assert rows.context_lens.tolist() == [6, 11, 6, 7, 8, 1, 2]
     assert rows.block_tables.tolist() == [[9, 3, 0], [7, 8, 20], [7, 8, 0], [7, 8, 0], [7, 8, 0], [4, 0, 0], [4, 0, 0]]
     assert rows.order.tolist() == [5, 6, 2, 3, 4, 1, 0]  # by table: [4], [7, 8], [7, 8, 20], [9, 3]
+
+
+def test_in_place_rows_live_on_the_given_device():
+    meta = AttentionMetadata.build(
+        decode_block_tables=[[7, 8, 20]], decode_context_lens=[10], prefills=[([5, 6], 2, 5)],
+        slot_mapping=list(range(6)), block_size=BS, null_block=0,
+        workspace=GatherWorkspace(BS * KVH * DIM, torch.float32, "meta"), device="meta", in_place=True,
+    )
+    rows = meta.kernel_rows
+    assert all(t.is_meta for t in (meta.slot_mapping, rows.block_tables, rows.context_lens, rows.order))
