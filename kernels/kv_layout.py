@@ -15,9 +15,10 @@
   trace (``kernels/csrc/paged_decode_cpu.cpp``).
 
 The pool's shape says its layout (4 dims: tokens, 5: paired); K and V are told apart by the
-caller. Writes of a step's K/V, gathers into the tokens layout (prefill attention, the cascade
-reference), and slot copies (copy-on-write of a partial block) go through this module; tier
-copies move whole blocks (``pool[block]``) and need no layout.
+caller. Writes of a step's K/V, gathers into the tokens layout (the GEMM prefill attention and
+the cascade; on a paired pool only the reference paths gather, since the kernel that reads it
+takes every row of a step in place), and slot copies (copy-on-write of a partial block) go
+through this module; tier copies move whole blocks (``pool[block]``) and need no layout.
 """
 
 from __future__ import annotations
