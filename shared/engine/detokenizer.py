@@ -29,6 +29,8 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
+    __slots__ = ("_source", "_stop", "_emitted", "text", "stopped")
+
     def __init__(self, decoder: Decoder, stop: Sequence[str] = ()):
         table = getattr(decoder, "token_bytes", None)
         self._source = _ByteStream(table) if table is not None else _DecodeWindow(decoder)
@@ -84,6 +86,8 @@ class _ByteStream:
     """Text from each id's bytes through an incremental UTF-8 decoder, which holds back an
     incomplete character until the rest of it (or ``final``) arrives."""
 
+    __slots__ = ("_table", "_utf8")
+
     def __init__(self, token_bytes: Sequence[bytes]) -> None:
         self._table = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -100,6 +104,8 @@ class _ByteStream:
 
 class _DecodeWindow:
     """Text from decode calls: the new ids with the previous push's as context."""
+
+    __slots__ = ("_decoder", "_ids", "_prefix_offset", "_read_offset", "_window_taken")
 
     def __init__(self, decoder: Decoder) -> None:
         self._decoder = decoder

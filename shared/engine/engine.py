@@ -70,7 +70,7 @@ class PreparedPrompt:
     spec: GrammarSpec | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
     """What one request produced in one step (or its end)."""
 

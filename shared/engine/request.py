@@ -53,7 +53,7 @@ def stop_reason(sampling: SamplingParams | Sampling, token: int | None, eos_toke
         return FinishReason.LENGTH
     return None
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation. Identity-hashed so it can sit in sets; owned by the scheduler."""
 

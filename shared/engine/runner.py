@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels.attention import PagedAttentionStep
-from kernels.attention_metadata import AttentionMetadata, GatherWorkspace
+from kernels.attention_metadata import AttentionMetadata, GatherWorkspace, KernelRows, expand_runs
 from kernels.greedy_head import greedy_head
 from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
@@ -16,6 +19,7 @@ from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionSte
 from kernels.triton_decode_attention import launch_programs
 from kernels.triton_layers import TRITON_LAYERS
 from kernels.triton_support import check_tiles
+from shared.engine.block_table_rows import BlockTableRows
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
@@ -27,16 +31,17 @@ from shared.model.llama import AttentionStep, KVCache, LlamaModel
 MAX_DECODE_ROWS_CHUNK = 48  # longer chunks (prompts) run as prefill segments
 
 
-def _as_decode_rows(chunk: ScheduledChunk, in_place: bool) -> bool:
-    """Whether a prefill chunk's tokens go in as decode rows, one per token, instead of as a
-    segment: for the cascade, a short chunk extending a cached context. The in-place kernel takes
-    a segment's tokens as rows anyway (``KernelRows``, built with numpy, not per token here)."""
-    return not in_place and chunk.start > 0 and len(chunk.token_ids) <= MAX_DECODE_ROWS_CHUNK
+def _as_decode_rows(chunk: ScheduledChunk) -> bool:
+    """For the cascade, whether a prefill chunk's tokens go in as decode rows, one per token,
+    instead of as a segment: a short chunk extending a cached context. (The in-place kernel's
+    steps take every token as a row: ``ModelRunner._rows_batch``.)"""
+    return chunk.start > 0 and len(chunk.token_ids) <= MAX_DECODE_ROWS_CHUNK
 
 
 @dataclass
 class StepInputs:
-    """A step's flat tokens (decode rows first, then prefill segments) as plain ints."""
+    """A step's flat tokens (decode rows first, then prefill segments) as plain ints, for the
+    cascade, the Triton kernels and the CUDA graphs."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -45,6 +50,16 @@ class StepInputs:
     decode_lens: list[int] = field(default_factory=list)  # per decode row: its context, itself included
     prefills: list[tuple[list[int], int, int]] = field(default_factory=list)  # (block table, cached, new)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits the step samples
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What the eager forward pass takes: the step's tokens as tensors on the runner's device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    sample_rows: torch.Tensor  # [rows] int64: the rows whose logits the step samples
+    meta: AttentionMetadata | TritonAttentionMetadata
 
 
 class ModelRunner:
@@ -81,6 +96,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.workspace = GatherWorkspace(block_size * cfg.num_kv_heads * cfg.head_dim, dtype, self.device)
+        # the in-place kernel's steps keep their block tables across steps (``_rows_batch``)
+        self._table_rows = BlockTableRows(NULL_BLOCK) if self.decode_in_place else None
         self.profile: StepProfile | None = None  # set by Engine.enable_profile
         if kernels == "triton":
             check_tiles(block_size=block_size, head_dim=cfg.head_dim)
@@ -129,33 +146,35 @@ class ModelRunner:
             for fence in out.fences:
                 fence.wait_all()
         profile = self.profile
+        graphed = False
         with maybe_phase(profile, "metadata"):
             self._copy_slots(out.copies)
-            inputs = self._prepare(out)
-            graphed = (self.graphs is not None and not inputs.prefills and not out.fences
-                       and self.graphs.takes(len(inputs.input_ids)))
-            meta = None if graphed else self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills,
-                                                       inputs.slots)
+            if self._table_rows is not None:
+                batch = self._rows_batch(out)
+            else:
+                inputs = self._prepare(out)
+                graphed = (self.graphs is not None and not inputs.prefills and not out.fences
+                           and self.graphs.takes(len(inputs.input_ids)))
+                batch = None if graphed else self._segments_batch(inputs)
         attention_before = profile.seconds["attention"] if profile is not None else 0.0
         with maybe_phase(profile, "model"):
-            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
             if graphed:
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.decode_tables,
                                          inputs.decode_lens)
+                sample_rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
             else:
-                hidden = self._eager_forward(inputs, meta, out.fences)
-            hidden = hidden.index_select(0, rows)
+                hidden = self._eager_forward(batch, out.fences)
+                sample_rows = batch.sample_rows
+            hidden = hidden.index_select(0, sample_rows)
         if profile is not None:  # attention ran inside the model's phase: count it once
             profile.seconds["model"] -= profile.seconds["attention"] - attention_before
-            profile.flops += self._flops.step(out, len(inputs.sample_rows))
-            profile.computed_tokens += len(inputs.input_ids)
+            profile.flops += self._flops.step(out, len(sample_rows))
+            profile.computed_tokens += out.num_tokens
         return hidden
 
-    def _eager_forward(self, inputs: StepInputs, meta, fences: tuple) -> torch.Tensor:  # [T, hidden]
-        step = self._step(meta, fences)
-        ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
-        positions = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
-        return self.model(ids, positions, self.kv_caches,
+    def _eager_forward(self, batch: StepBatch, fences: tuple) -> torch.Tensor:  # [T, hidden]
+        step = self._step(batch.meta, fences)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches,
                           step if self.profile is None else TimedAttentionStep(step, self.profile))
 
     def _step(self, meta, fences: tuple = ()) -> AttentionStep:
@@ -180,8 +199,8 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flat tokens, their KV slots, what each attends to, and the logits rows."""
         bs = self.block_size
-        row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c, self.decode_in_place)]
-        segment_chunks = [c for c in out.prefills if not _as_decode_rows(c, self.decode_in_place)]
+        row_chunks = out.decodes + [c for c in out.prefills if _as_decode_rows(c)]
+        segment_chunks = [c for c in out.prefills if not _as_decode_rows(c)]
         step = StepInputs()
         offset: dict[int, int] = {}  # id(chunk) -> its first row
         for chunk in row_chunks:
@@ -203,6 +222,36 @@ class ModelRunner:
             end = offset[id(c)] + len(c.token_ids)
             step.sample_rows += range(end - c.num_logits, end)
         return step
+
+    def _segments_batch(self, inputs: StepInputs) -> StepBatch:
+        """``_prepare``'s plain ints as tensors and metadata (``_metadata``)."""
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
+        meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots)
+        return StepBatch(as_tensor(inputs.input_ids), as_tensor(inputs.positions), as_tensor(inputs.sample_rows),
+                         meta)
+
+    def _rows_batch(self, out: SchedulerOutput) -> StepBatch:
+        """The step for the in-place kernel, built with numpy: every chunk is a run of rows (one
+        decode row, or a prompt chunk's tokens) whose table is a row of ``_table_rows``, kept
+        across steps. Rows in ``out.chunks`` order (decodes first), as ``_prepare`` orders them."""
+        chunks = out.chunks
+        bs = self.block_size
+        tables = self._table_rows.update(chunks)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        counts = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+        run_tables = self._table_rows.array[tables, : -(-int((starts + counts).max()) // bs)]
+        run_of_row, positions = expand_runs(starts, counts)
+        slots = run_tables[run_of_row, positions // bs] * bs + positions % bs
+        num_logits = np.fromiter((c.num_logits for c in chunks), dtype=np.int64, count=len(chunks))
+        _, sample_rows = expand_runs(np.cumsum(counts) - num_logits, num_logits)
+        ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
+                          count=len(run_of_row))
+        device = self.device
+        rows = KernelRows.from_runs(run_tables, run_of_row, positions + 1, device)
+        meta = AttentionMetadata.for_kernel_rows(torch.from_numpy(slots).to(device), len(out.decodes), rows,
+                                                 self.workspace)
+        return StepBatch(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
+                         torch.from_numpy(sample_rows).to(device), meta)
 
     def _metadata(self, decode_block_tables: list[list[int]], decode_context_lens: list[int],
                   prefills: list[tuple[list[int], int, int]], slot_mapping: list[int]):

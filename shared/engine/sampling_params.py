@@ -10,7 +10,7 @@ GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling and stopping rules; validated on construction (ValueError names the field).
 

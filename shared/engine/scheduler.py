@@ -392,14 +392,11 @@ class Scheduler:
         """Schedule ``n`` tokens of ``req`` from its first uncomputed one, plus ``drafts`` (only
         when the chunk reaches the newest token)."""
         start = req.num_computed_tokens
-        chunk = ScheduledChunk(
-            request_id=req.request_id,
-            token_ids=req.token_ids_between(start, start + n) + list(drafts),
-            start=start,
-            block_table=tuple(req.block_table),
-            sample=start + n == req.num_tokens,
-            num_drafts=len(drafts),
-        )
+        tokens = req.token_ids_between(start, start + n)  # a new list
+        if drafts:
+            tokens += drafts
+        # NOTE: positional: a frozen dataclass's keyword call costs ~2x, once per running request
+        chunk = ScheduledChunk(req.request_id, tokens, start, req.block_table, start + n == req.num_tokens, len(drafts))
         (out.decodes if len(chunk.token_ids) == 1 and chunk.sample and start > 0 else out.prefills).append(chunk)
 
     # --- after the forward pass -------------------------------------------------------------

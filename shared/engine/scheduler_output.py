@@ -3,6 +3,7 @@ layer-by-layer tier loads the step must wait on)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     from shared.engine.kv.layer_fence import LayerFence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Tokens [start, start + len(token_ids)) of one request, computed this step.
 
@@ -25,7 +26,9 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start: int
-    block_table: tuple[int, ...]  # a snapshot: the request's table may grow later
+    # The request's own list, not a copy: read only its first ceil(end / block_size) blocks. It
+    # may grow after the step; it is never changed otherwise (``KVCacheManager``'s contract).
+    block_table: Sequence[int]
     sample: bool  # the chunk reaches the newest token, so the step samples a next token
     num_drafts: int = 0
 

@@ -40,7 +40,10 @@ class KVCacheManager:
     """Owns every request's pool refs and its lock on the prefix index.
 
     Contract: a request holds one pool ref per block in ``block_table`` and one lock on
-    ``cache_handle`` from ``admit`` until ``free``; nothing else changes those fields.
+    ``cache_handle`` from ``admit`` until ``free``; nothing else changes those fields. Each
+    ``admit`` gives the request a new ``block_table`` list, which is then only appended to (``free``
+    replaces it with an empty one): the scheduler hands the list itself to the runner, which
+    copies only a table's new blocks each step (``shared.engine.block_table_rows``).
     """
 
     def __init__(self, pool: BlockPool, index: PrefixCache, tiers: HiCache | None = None):
