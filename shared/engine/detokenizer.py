@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the newly final text."""
         if self.stopped:
             return ""
-        self.text += self._source.decode_new(token_ids, final=False)
+        self.text += self._source.decode_new(token_ids, False)
         if not self._stop:
             return self._release(len(self.text))
         hit = self._find_stop()
@@ -96,7 +96,7 @@ class _ByteStream:
         """The text ``token_ids`` complete (an incomplete character at the end only if ``final``)."""
         table = self._table
         try:
-            data = b"".join([table[i] for i in token_ids])
+            data = b"".join(map(table.__getitem__, token_ids))
         except IndexError:  # ids past the vocabulary (a model's padding rows) read nothing, as in decode
             data = b"".join([table[i] for i in token_ids if i < len(table)])
         return self._utf8.decode(data, final)

@@ -326,16 +326,17 @@ class Engine:
         with maybe_phase(profile, "update"):
             now = self.clock()
             self.scheduler.rate.observe(out.num_tokens, now - started)
+            before = []
             for req in reqs:
                 if req.first_token_time is None:
                     req.first_token_time = now
-            before = [req.num_output_tokens for req in reqs]
+                before.append(len(req.output_token_ids))
             finished = {f.request.request_id: f.reason for f in self.scheduler.update(
                 out, {r.request_id: p for r, p in zip(reqs, picks, strict=True) if p is not None})}
             finished.update((r.request_id, FinishReason.ERROR) for r, p in zip(reqs, picks, strict=True) if p is None)
             self.num_steps += 1
-            for req in reqs:
-                if req.request_id not in finished:
+            for req in reqs if self.config.jump_forward else ():
+                if req.grammar is not None and req.request_id not in finished:  # only a grammar drafts
                     try:
                         self._draft(req)
                     except Exception:

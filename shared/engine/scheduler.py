@@ -271,8 +271,8 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Find room for ``n`` tokens of ``req`` by preempting the largest-key request among
         ``req`` and those with no work yet this step. False if ``req`` itself yielded."""
-        now = self.clock()
         while not self.kv.allocate_slots(req, n):
+            now = self.clock()
             idle = [r for r in self.running if id(r) not in scheduled and r is not req]
             victim = max(idle + [req], key=lambda r: self.policy.key(r, now))
             self._preempt(victim)
@@ -417,7 +417,8 @@ class Scheduler:
                 continue  # it ended during the step (its sampling failed): nothing to advance
             tokens = sampled.get(chunk.request_id, [])
             req.num_computed_tokens = chunk.end - chunk.num_drafts
-            req.draft_token_ids = []
+            if req.draft_token_ids:
+                req.draft_token_ids = []
             self.policy.on_served(req, len(chunk.token_ids) if is_prefill else 0, len(tokens))
             reason = None
             for i, (token, logprob) in enumerate(tokens):
