@@ -98,7 +98,9 @@ class KernelRows:
     through ``block_tables[i]``. A prefill segment's tokens are rows like decode rows, each
     seeing its context up to itself (the causal mask as lengths)."""
 
-    block_tables: torch.Tensor  # [num_tokens, max blocks] int64, null-padded
+    # [num_tokens, max blocks] int64, padded with the null block or with blocks past the row's
+    # context (never read)
+    block_tables: torch.Tensor
     context_lens: torch.Tensor  # [num_tokens] int64
     # Rows sorted by block table, the order the kernel runs them in: rows that share blocks (a
     # system prompt, a robot's scene, a prompt's own tokens) run next to each other.
@@ -147,12 +149,12 @@ def expand_runs(firsts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def lexicographic_order(rows: np.ndarray) -> np.ndarray:  # [n] int64: a stable argsort
-    """The order of ``rows`` ([n, W] non-negative ints below 2**32) sorted as sequences: one sort
-    of each row's big-endian bytes as a single key, ~20x faster than sorting them as lists."""
+    """The order of ``rows`` ([n, W] non-negative ints) sorted as sequences: one sort of each
+    row's big-endian bytes as a single key, ~20x faster than sorting them as lists."""
     if rows.shape[1] == 0:
         return np.arange(len(rows))
-    keys = np.ascontiguousarray(rows.astype(">u4"))
-    return np.argsort(keys.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel(), kind="stable")
+    keys = np.ascontiguousarray(rows.astype(">i8"))  # non-negative: bytes compare as the ints do
+    return np.argsort(keys.view(np.dtype((np.void, 8 * rows.shape[1]))).ravel(), kind="stable")
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,6 @@ class AttentionMetadata:
             prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
         )
 
-
     @staticmethod
     def for_kernel_rows(slot_mapping: torch.Tensor, num_decodes: int, rows: KernelRows,
                         workspace: "GatherWorkspace") -> "AttentionMetadata":
@@ -225,6 +226,7 @@ class AttentionMetadata:
         return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes, decode_batches=(),
                                  num_decode_parts=1, decode_gather_buffer=workspace.take(0), prefills=(),
                                  kernel_rows=rows)
+
 
 class GatherWorkspace:
     """A reusable buffer for gathered K/V blocks, grown on demand, never shrunk."""
@@ -239,7 +241,7 @@ class GatherWorkspace:
         return self._buffer[:, :num_blocks]
 
 
-def padded_rows(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:  # [len(rows), max len]
+def padded_rows(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:  # [rows, max len]
     """``padded_array`` as a tensor on ``device``."""
     return torch.from_numpy(padded_array(rows, pad)).to(device)
 

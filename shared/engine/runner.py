@@ -233,17 +233,23 @@ class ModelRunner:
     def _rows_batch(self, out: SchedulerOutput) -> StepBatch:
         """The step for the in-place kernel, built with numpy: every chunk is a run of rows (one
         decode row, or a prompt chunk's tokens) whose table is a row of ``_table_rows``, kept
-        across steps. Rows in ``out.chunks`` order (decodes first), as ``_prepare`` orders them."""
+        across steps. Rows in ``out.chunks`` order (decodes first).
+
+            chunk    c0 (decode)   c1 (3 prompt tokens after 5 cached)
+            row      0             1  2  3
+            run      0             1  1  1
+            position c0.start      5  6  7      context length = position + 1
+        """
         chunks = out.chunks
         bs = self.block_size
-        tables = self._table_rows.update(chunks)
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-        counts = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
-        run_tables = self._table_rows.array[tables, : -(-int((starts + counts).max()) // bs)]
-        run_of_row, positions = expand_runs(starts, counts)
-        slots = run_tables[run_of_row, positions // bs] * bs + positions % bs
-        num_logits = np.fromiter((c.num_logits for c in chunks), dtype=np.int64, count=len(chunks))
-        _, sample_rows = expand_runs(np.cumsum(counts) - num_logits, num_logits)
+        tables = self._table_rows.update(chunks)  # [runs]: each chunk's row of the array
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))  # [runs]
+        counts = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))  # [runs]
+        run_tables = self._table_rows.array[tables, : -(-int((starts + counts).max()) // bs)]  # [runs, W]
+        run_of_row, positions = expand_runs(starts, counts)  # [rows] each
+        slots = run_tables[run_of_row, positions // bs] * bs + positions % bs  # [rows]
+        num_logits = np.fromiter((c.num_logits for c in chunks), dtype=np.int64, count=len(chunks))  # [runs]
+        _, sample_rows = expand_runs(np.cumsum(counts) - num_logits, num_logits)  # each run's last rows
         ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                           count=len(run_of_row))
         device = self.device

@@ -234,7 +234,7 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
             n = min(left, budget)
             drafts = req.draft_token_ids if n == left and n + len(req.draft_token_ids) <= budget else []
-            if not self._reserve(req, n + len(drafts), scheduled, out):
+            if not self._reserve(req, n + len(drafts), scheduled, out, now):
                 continue
             self._emit(req, n, out, drafts)
             scheduled.add(id(req))
@@ -268,11 +268,11 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _reserve(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        """Find room for ``n`` tokens of ``req`` by preempting the largest-key request among
-        ``req`` and those with no work yet this step. False if ``req`` itself yielded."""
+    def _reserve(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput, now: float) -> bool:
+        """Find room for ``n`` tokens of ``req`` by preempting the largest-key request (at
+        ``now``) among ``req`` and those with no work yet this step. False if ``req`` itself
+        yielded."""
         while not self.kv.allocate_slots(req, n):
-            now = self.clock()
             idle = [r for r in self.running if id(r) not in scheduled and r is not req]
             victim = max(idle + [req], key=lambda r: self.policy.key(r, now))
             self._preempt(victim)
@@ -392,9 +392,9 @@ class Scheduler:
         """Schedule ``n`` tokens of ``req`` from its first uncomputed one, plus ``drafts`` (only
         when the chunk reaches the newest token)."""
         start = req.num_computed_tokens
-        tokens = req.token_ids_between(start, start + n)  # a new list
+        tokens = req.token_ids_between(start, start + n)
         if drafts:
-            tokens += drafts
+            tokens = tokens + list(drafts)
         # NOTE: positional: a frozen dataclass's keyword call costs ~2x, once per running request
         chunk = ScheduledChunk(req.request_id, tokens, start, req.block_table, start + n == req.num_tokens, len(drafts))
         (out.decodes if len(chunk.token_ids) == 1 and chunk.sample and start > 0 else out.prefills).append(chunk)

@@ -26,8 +26,8 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start: int
-    # The request's own list, not a copy: read only its first ceil(end / block_size) blocks. It
-    # may grow after the step; it is never changed otherwise (``KVCacheManager``'s contract).
+    # The request's own list, not a copy (attention reads its first ceil(end / block_size) blocks).
+    # It may grow after the step; it is never changed otherwise (``KVCacheManager``'s contract).
     block_table: Sequence[int]
     sample: bool  # the chunk reaches the newest token, so the step samples a next token
     num_drafts: int = 0

@@ -68,14 +68,16 @@ def test_a_step_copies_only_the_blocks_appended_since_the_last():
 
 
 def _random_step(rng: np.random.Generator, num_chunks: int) -> SchedulerOutput:
-    """Decode rows, prompt chunks and chunks with drafts; each table exactly covers its chunk,
-    its own blocks distinct from every other chunk's, its first half maybe the previous one's."""
+    """Decode rows, prompt chunks and chunks with drafts; each table covers its chunk, maybe with
+    a block more (left by rejected drafts), its own blocks distinct from every other chunk's, its
+    first half maybe the previous one's."""
     out = SchedulerOutput()
     for i in range(num_chunks):
         start = int(rng.integers(0, 40))
         n = 1 if start > 0 and rng.integers(0, 2) else int(rng.integers(1, 12))
         drafts = int(rng.integers(0, n))  # a chunk's drafts are its last tokens
-        table = [int(b) for b in rng.integers(1 + 200 * i, 200 * (i + 1), -(-(start + n) // BS))]
+        num_blocks = -(-(start + n) // BS) + int(rng.integers(0, 2))
+        table = [int(b) for b in rng.integers(1 + 200 * i, 200 * (i + 1), num_blocks)]
         if out.chunks and rng.integers(0, 2):
             shared = min(len(table), len(out.chunks[-1].block_table)) // 2
             table[:shared] = out.chunks[-1].block_table[:shared]
@@ -85,7 +87,8 @@ def _random_step(rng: np.random.Generator, num_chunks: int) -> SchedulerOutput:
     return out
 
 
-@pytest.mark.skipif(not supports_in_place_decode(tiny_config().head_dim, torch.float32), reason="the CPU decode kernel could not be built here")
+@pytest.mark.skipif(not supports_in_place_decode(tiny_config().head_dim, torch.float32),
+                    reason="the CPU decode kernel could not be built here")
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), num_chunks=st.integers(1, 8), num_steps=st.integers(1, 3))
 def test_an_in_place_step_is_every_token_as_a_row_seeing_its_context_up_to_itself(seed, num_chunks, num_steps):
@@ -96,11 +99,12 @@ def test_an_in_place_step_is_every_token_as_a_row_seeing_its_context_up_to_itsel
         out = _random_step(rng, num_chunks)
         batch = runner._rows_batch(out)
         rows = batch.meta.kernel_rows
-        ids, positions, tables, row_start, sample_rows = [], [], [], 0, []
-        for c in out.chunks:
+        ids, positions, tables, runs, row_start, sample_rows = [], [], [], [], 0, []
+        for run, c in enumerate(out.chunks):
             ids += c.token_ids
             positions += range(c.start, c.end)
             tables += [c.block_table] * len(c.token_ids)
+            runs += [run] * len(c.token_ids)
             row_start += len(c.token_ids)
             sample_rows += range(row_start - c.num_logits, row_start)
         assert batch.input_ids.tolist() == ids and batch.positions.tolist() == positions
@@ -112,5 +116,7 @@ def test_an_in_place_step_is_every_token_as_a_row_seeing_its_context_up_to_itsel
             assert rows.block_tables[row, : p // BS + 1].tolist() == list(table[: p // BS + 1])
         order = rows.order.tolist()
         assert sorted(order) == list(range(len(ids)))
-        keys = [(list(tables[r]), positions[r]) for r in order]  # by table, a run's rows in position order
+        width = max(-(-c.end // BS) for c in out.chunks)  # the step's table width: blocks past it go unread
+        # by table (equal ones in run order), a run's rows in position order
+        keys = [(list(tables[r][:width]), runs[r], positions[r]) for r in order]
         assert keys == sorted(keys)
