@@ -18,12 +18,12 @@ all their blocks but the newest, run together (``KernelRows``). On fleet-like pr
 (2,048 tokens in chunks of 150-200 after 400-1,000 cached) that took 0.72-0.83 of the time of
 the GEMM path below, whose per-segment gathers and bf16 score matrices it does without.
 Elsewhere, and as the reference, decode attention is a cascade over shared blocks. Robots of
-one type share a long system prompt, a robot's requests share its scene, and a replan shares its whole conversation; the
-radix cache makes all of them share *physical* blocks. The decode rows' block tables form a
-trie; each trie segment that enough rows pass through is read once for all of them (all
-their queries against one K/V), each row gathers only the blocks no segment covers, and the
-partial softmaxes are merged by log-sum-exp (keys are position-encoded, so their order does
-not matter)::
+one type share a long system prompt, a robot's requests share its scene, and a replan shares
+its whole conversation; the radix cache makes all of them share *physical* blocks. The decode
+rows' block tables form a trie; each trie segment that enough rows pass through is read once
+for all of them (all their queries against one K/V), each row gathers only the blocks no
+segment covers, and the partial softmaxes are merged by log-sum-exp (keys are
+position-encoded, so their order does not matter)::
 
     row r:  | system prompt (128 rows) | scene (8 rows) | history (2 rows) | own blocks |
 

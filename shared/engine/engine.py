@@ -330,18 +330,17 @@ class Engine:
             for req in reqs:
                 if req.first_token_time is None:
                     req.first_token_time = now
-                before.append(len(req.output_token_ids))
+                before.append(req.num_output_tokens)
             finished = {f.request.request_id: f.reason for f in self.scheduler.update(
                 out, {r.request_id: p for r, p in zip(reqs, picks, strict=True) if p is not None})}
             finished.update((r.request_id, FinishReason.ERROR) for r, p in zip(reqs, picks, strict=True) if p is None)
             self.num_steps += 1
-            if self.config.jump_forward:  # only a grammar's forced text is drafted
-                for req in reqs:
-                    if req.grammar is not None and req.request_id not in finished:
-                        try:
-                            self._draft(req)
-                        except Exception:
-                            finished[req.request_id] = self._fail(req)
+            for req in reqs:
+                if req.request_id not in finished:
+                    try:
+                        self._draft(req)
+                    except Exception:
+                        finished[req.request_id] = self._fail(req)
         with maybe_phase(profile, "detokenize"):
             deltas += [
                 self._deliver(req, req.output_token_ids[n:], finished.get(req.request_id),
