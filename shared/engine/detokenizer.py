@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the newly final text."""
         if self.stopped:
             return ""
-        self.text += self._source.decode_new(token_ids, False)
+        self.text += self._source.decode_new(token_ids, final=False)
         if not self._stop:
             return self._release(len(self.text))
         hit = self._find_stop()

@@ -98,7 +98,7 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end) of prompt + output, without copying the rest."""
+        """Tokens at positions [start, end) of prompt + output as a new list (the rest not copied)."""
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]

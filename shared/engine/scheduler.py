@@ -392,9 +392,9 @@ class Scheduler:
         """Schedule ``n`` tokens of ``req`` from its first uncomputed one, plus ``drafts`` (only
         when the chunk reaches the newest token)."""
         start = req.num_computed_tokens
-        tokens = req.token_ids_between(start, start + n)
+        tokens = req.token_ids_between(start, start + n)  # a new list: the drafts go on its end
         if drafts:
-            tokens = tokens + list(drafts)
+            tokens += drafts
         # NOTE: positional: a frozen dataclass's keyword call costs ~2x, once per running request
         chunk = ScheduledChunk(req.request_id, tokens, start, req.block_table, start + n == req.num_tokens, len(drafts))
         (out.decodes if len(chunk.token_ids) == 1 and chunk.sample and start > 0 else out.prefills).append(chunk)
