@@ -102,6 +102,7 @@ class BlockLinear(QuantizedLinear):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("minimums", weight.minimums)
+        self._block_weight: PackedBlockWeight | None = None  # built on first use, dropped by .to()
 
     @staticmethod
     def quantize(linear: nn.Linear, group: int = INT4_GROUP) -> "BlockLinear":
@@ -115,10 +116,16 @@ class BlockLinear(QuantizedLinear):
 
     @property
     def block_weight(self) -> PackedBlockWeight:
-        """The weight over this layer's buffers (wherever ``.to()`` has moved them)."""
-        if self.group is None:
-            return Int8BlockWeight(self.packed, self.scales, self.minimums)
-        return Int4Weight(self.packed, self.scales, self.minimums, self.group)
+        """The weight over this layer's buffers (wherever ``.to()`` has moved them). Kept between
+        calls: a one-token forward reads ~120 of them (rebuilding each cost ~0.45 of 12 ms)."""
+        if self._block_weight is None:
+            self._block_weight = (Int8BlockWeight(self.packed, self.scales, self.minimums) if self.group is None
+                                  else Int4Weight(self.packed, self.scales, self.minimums, self.group))
+        return self._block_weight
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), ...: the buffers are new tensors
+        self._block_weight = None
+        return super()._apply(fn, recurse)
 
     def matmul(self, flat: torch.Tensor) -> torch.Tensor:
         weight = self.block_weight
