@@ -17,7 +17,9 @@ from shared.config import build_dataclass
 class BackendConfig:
     """Which batch-1 backend runs the model, and how."""
 
-    kind: str = "onnx"  # "onnx" (ONNX Runtime, the fast CPU path) | "torch" (CUDA graphs on a GPU)
+    # "onnx" (ONNX Runtime: the fastest first token on a CPU) | "torch" (the fastest plans on a
+    # CPU, see the README; CUDA graphs on a GPU)
+    kind: str = "onnx"
     quant: str = "int4"  # "none" | "int8" | "int4" (weight-only)
     max_len: int = 2048  # positions in the KV buffer: the robot's local context
     threads: int = 2  # intra-op threads (use 1 when other processes share the cores)
