@@ -34,10 +34,11 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+// rows of x sharing one widening of a group's codes: their accumulators fill the registers
 #if defined(__AVX512F__)
-constexpr int64_t kRowTile = 8;    // rows of x sharing one widening of a group's codes (2 FMA chains a row)
+constexpr int64_t kRowTile = 8;    // 32 registers: 8 rows x 2 outputs
 #else
-constexpr int64_t kRowTile = 4;
+constexpr int64_t kRowTile = 4;    // 16 registers: 4 rows x 2 FMA chains
 #endif
 constexpr int64_t kOutBlock = 16;  // outputs whose weights stay in L1 while every row tile passes them
 
