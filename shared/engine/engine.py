@@ -29,7 +29,7 @@ from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hashed import HashedBlockIndex
-from shared.engine.kv.hicache import HiCache
+from shared.engine.kv.hicache import HiCache, LoadTicket, TierCopyError
 from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixCache
 from shared.engine.kv.radix import RadixTree
@@ -533,10 +533,25 @@ class Engine:
             self._take(rid)
         return reqs
 
+    def settle_tiers(self) -> list[LoadTicket]:
+        """Wait for every queued tier copy and release each load that finished as a step does
+        (``Scheduler.admit_loaded``: its block refs and index locks; a whole load's request
+        back in the queue); returns those loads. ``generate`` returns as soon as its requests
+        end, when a layer-by-layer load they read may not be collected yet (its blocks still
+        held until the next step): call this before checking the pool's refs or shutting down."""
+        finished = []
+        while self.tiers is not None and self.tiers.copier.pending:
+            finished += self.scheduler.admit_loaded(timeout=1.0)
+        return finished
+
     def close(self) -> None:
-        """Stop the tier copier (waiting for its queued copies) and free the host tier."""
+        """Stop the tier copier (after its queued copies, the finished loads released) and free
+        the host tier."""
         if self.tiers is not None:
-            self.tiers.drain()
+            try:
+                self.settle_tiers()
+            except TierCopyError as e:  # its requests ended already: nothing is left to fail
+                log.warning("a tier load failed at shutdown: %s", e)
             self.tiers.copier.close()
             self.tiers = self.scheduler.kv.tiers = None
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.grammar.matcher import GrammarState
-from shared.engine.kv.hicache import TierCopyError
+from shared.engine.kv.hicache import LoadTicket, TierCopyError
 from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixMatch
 from shared.engine.kv.radix import common_prefix_len
@@ -176,15 +176,16 @@ class Scheduler:
             self.kv.prefetch(req)
         return failed
 
-    def admit_loaded(self, timeout: float | None = None) -> None:
+    def admit_loaded(self, timeout: float | None = None) -> list[LoadTicket]:
         """Requeue the requests whose tier load finished (their loaded prefix now cached and
-        locked for them). With ``timeout``, wait that long for a load when none has finished.
-        Raises `TierCopyError` (after releasing every finished load) when a layer-by-layer
-        load failed."""
+        locked for them); returns every finished load, each released (`KVCacheManager.end_load`).
+        With ``timeout``, wait that long for a load when none has finished. Raises
+        `TierCopyError` (after releasing every finished load) when a layer-by-layer load failed."""
         if self.kv.tiers is None:
-            return
+            return []
         broken = []
-        for ticket in self.kv.tiers.poll(timeout):
+        finished = self.kv.tiers.poll(timeout)
+        for ticket in finished:
             self.kv.end_load(ticket)
             req = ticket.request
             if ticket.layerwise and ticket.error is not None:
@@ -195,6 +196,7 @@ class Scheduler:
                 self.waiting[req] = None
         if broken:
             raise TierCopyError(f"layer-by-layer KV loads failed after their requests started ({'; '.join(broken)})")
+        return finished
 
     def first_token_eta(self, req: Request) -> float:
         """Seconds until ``req`` (not yet added) would get its first token: the prefill work

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kernels.attention import PagedAttentionStep
@@ -29,13 +29,14 @@ def by_turns(engine: Engine, prompts: list[list[int]], robots: int) -> list[list
     outs = []
     for t in range(0, len(prompts), robots):
         outs += [r.output_token_ids for r in engine.generate(prompts[t:t + robots], GREEDY)]
-        engine.tiers.drain()
+        engine.settle_tiers()  # a layer-by-layer load may finish after its requests did
         engine.scheduler.kv.check_integrity([])
     return outs
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000))
+@example(seed=9085)  # its last load was often still uncollected when generate returned
 def test_layerwise_loads_are_token_identical(seed):
     prompts = returning_robots(random.Random(seed), robots=4, turns=3)
     engine = tier_engine(MODEL, tier_config(num_blocks=30, layerwise_load="on"))
@@ -65,7 +66,7 @@ def test_forward_overlaps_the_rest_of_the_load(monkeypatch):
     expected = never_evicted(prompts)
     engine = tier_engine(MODEL, tier_config(num_blocks=30, layerwise_load="on"))
     outs = [r.output_token_ids for r in engine.generate(prompts[:4], GREEDY)]  # turn 1; evicts
-    engine.tiers.drain()
+    engine.settle_tiers()
 
     # NOTE: keyed by the fences themselves, which keeps them alive: a collected fence's id() is reused
     landed: dict[tuple[LayerFence, int], float] = {}  # (fence, layer) -> time
@@ -90,7 +91,7 @@ def test_forward_overlaps_the_rest_of_the_load(monkeypatch):
     for p in prompts[4:]:  # turn 2, one robot at a time: each reloads its history
         (req,) = engine.generate([p], GREEDY)
         outs.append(req.output_token_ids)
-        engine.tiers.drain()
+        engine.settle_tiers()
     assert outs == expected
     fences = {f for f, _ in read}
     assert fences and engine.stats().tiers.loads_layerwise == len(fences)

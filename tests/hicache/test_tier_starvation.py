@@ -33,8 +33,7 @@ def test_returning_fleet_at_once_in_a_small_pool_is_served(tiers, seed):
     reqs = engine.generate(again, SIX)  # then the fleet returns all at once
     assert [r.num_output_tokens for r in reqs] == [6] * len(again)
     assert all(r.finish_reason == FinishReason.LENGTH for r in reqs)
-    if engine.tiers is not None:
-        engine.tiers.drain()
+    engine.settle_tiers()
     engine.scheduler.kv.check_integrity([])
     engine.close()
 
@@ -68,6 +67,6 @@ def test_tier_load_extending_a_match_inside_a_long_locked_edge_is_served(tmp_pat
     (rb,) = engine.generate([b], two)
     assert rb.output_token_ids == expected.output_token_ids
     assert engine.stats().tiers.hit_tokens["disk"] > 0
-    engine.tiers.drain()
+    engine.settle_tiers()
     engine.scheduler.kv.check_integrity([])
     engine.close()
