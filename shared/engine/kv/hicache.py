@@ -425,7 +425,8 @@ class HiCache:
         return refs
 
     def drain(self) -> list[LoadTicket]:
-        """Wait for every queued op (tests, shutdown); returns the loads that finished."""
+        """Wait for every queued op; returns the loads that finished, which the caller releases
+        (tests driving the tiers directly; an engine settles through `Engine.settle_tiers`)."""
         finished = []
         while self.copier.pending:
             finished += self.poll(timeout=1.0)
