@@ -59,45 +59,12 @@ void reorder_columns(const float* x, int64_t rows, int64_t k, float* reordered) 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float horizontal_sum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 inline __m256 widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
-// A group's 32 weights, scale * code + minimum, as four vectors of 8: for 4 bits in the order
-// of reorder_columns (even columns, then odd), for 8 bits in column order.
+// A group's codes as two vectors of 16 bytes: for 4 bits the low nibbles (the even columns)
+// and the high ones (the odd columns), reorder_columns' order; for 8 bits columns 0-15, 16-31.
 template <int Bits>
-inline void widen_group(const uint8_t* codes, float scale, float minimum, __m256 w[4]) {
-  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
-  if constexpr (Bits == 4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, low_nibbles);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-    w[0] = _mm256_fmadd_ps(widen8(lo), s, m);
-    w[1] = _mm256_fmadd_ps(widen8(_mm_srli_si128(lo, 8)), s, m);
-    w[2] = _mm256_fmadd_ps(widen8(hi), s, m);
-    w[3] = _mm256_fmadd_ps(widen8(_mm_srli_si128(hi, 8)), s, m);
-  } else {
-    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
-    w[0] = _mm256_fmadd_ps(widen8(first), s, m);
-    w[1] = _mm256_fmadd_ps(widen8(_mm_srli_si128(first, 8)), s, m);
-    w[2] = _mm256_fmadd_ps(widen8(second), s, m);
-    w[3] = _mm256_fmadd_ps(widen8(_mm_srli_si128(second, 8)), s, m);
-  }
-}
-
-#if defined(__AVX512F__)
-// A group's 32 weights, scale * code + minimum, as two vectors of 16: for 4 bits in the order of
-// reorder_columns (even columns, then odd), for 8 bits in column order.
-template <int Bits>
-inline void widen_group16(const uint8_t* codes, float scale, float minimum, __m512 w[2]) {
-  const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(minimum);
-  __m128i first, second;
+inline void load_group_codes(const uint8_t* codes, __m128i& first, __m128i& second) {
   if constexpr (Bits == 4) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i low_nibbles = _mm_set1_epi8(0x0F);
@@ -107,6 +74,15 @@ inline void widen_group16(const uint8_t* codes, float scale, float minimum, __m5
     first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
   }
+}
+
+#if defined(__AVX512F__)
+// A group's 32 weights, scale * code + minimum, as two vectors of 16 (load_group_codes' order).
+template <int Bits>
+inline void widen_group16(const uint8_t* codes, float scale, float minimum, __m512 w[2]) {
+  const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(minimum);
+  __m128i first, second;
+  load_group_codes<Bits>(codes, first, second);
   w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)), s, m);
   w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)), s, m);
 }
@@ -141,6 +117,24 @@ void output_tile(const uint8_t* packed, const float* scales, const float* minimu
   }
 }
 #else
+inline float horizontal_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// A group's 32 weights, scale * code + minimum, as four vectors of 8 (load_group_codes' order).
+template <int Bits>
+inline void widen_group(const uint8_t* codes, float scale, float minimum, __m256 w[4]) {
+  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
+  __m128i first, second;
+  load_group_codes<Bits>(codes, first, second);
+  w[0] = _mm256_fmadd_ps(widen8(first), s, m);
+  w[1] = _mm256_fmadd_ps(widen8(_mm_srli_si128(first, 8)), s, m);
+  w[2] = _mm256_fmadd_ps(widen8(second), s, m);
+  w[3] = _mm256_fmadd_ps(widen8(_mm_srli_si128(second, 8)), s, m);
+}
+
 // Output n of rows [m_begin, m_begin + Tile) of x (Tile a constant: the accumulators stay in
 // registers); x as the weights' columns are ordered (reorder_columns for 4 bits).
 template <int Bits, int64_t Tile>
@@ -171,17 +165,12 @@ void output_tile(const uint8_t* packed, const float* scales, const float* minimu
 // A group's 32 weights in column order, written to out: scale * code + minimum.
 template <int Bits>
 void dequantize_group(const uint8_t* codes, float scale, float minimum, float* out) {
-  __m128i first, second;  // the codes of columns 0-15 and 16-31, a byte each
-  if constexpr (Bits == 4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, low_nibbles);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-    first = _mm_unpacklo_epi8(lo, hi);
-    second = _mm_unpackhi_epi8(lo, hi);
-  } else {
-    first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
+  __m128i first, second;  // then the codes of columns 0-15 and 16-31, a byte each
+  load_group_codes<Bits>(codes, first, second);
+  if constexpr (Bits == 4) {  // even and odd columns interleaved back into column order
+    const __m128i even = first, odd = second;
+    first = _mm_unpacklo_epi8(even, odd);
+    second = _mm_unpackhi_epi8(even, odd);
   }
   const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
   _mm256_storeu_ps(out, _mm256_fmadd_ps(widen8(first), s, m));
