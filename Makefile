@@ -23,11 +23,13 @@ setup: $(STAMP)
 model: setup
 	$(PY) -m shared.model.fetch
 
-# The CPU kernels (kernels/csrc, C++), built ahead so that no request waits on the compiler
-# (about 25 s the first time; torch's extension cache keeps it until the source changes). Where it
-# cannot build, the engine runs its plain-torch path: the leading '-' keeps going.
+# The CPU kernels (kernels/csrc, C++) and edged's ONNX Runtime ops built from them, ahead so that
+# no request waits on the compiler (about 2.5 min and 25 s the first time; torch's extension cache
+# keeps them until the source changes). Where they cannot build, the engine runs its plain-torch
+# path and ONNX graphs keep ONNX Runtime's kernels: the leading '-' keeps going.
 kernels: setup
 	-$(PY) -m kernels.cpu_extension
+	-$(PY) -m kernels.ort_ops
 
 # The ROS 2 node (robot_sdk.ros): the `ros` extra's wheels, then fleetserve_interfaces built with
 # cmake into the venv (about a minute the first time; the script is a no-op when up to date).

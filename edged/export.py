@@ -1,13 +1,16 @@
 """`edged export`: a model (GGUF or HF folder) -> an ONNX graph built by onnxruntime-genai's model
 builder (fused GroupQueryAttention over one preallocated KV buffer, MatMulNBits int4/int8
-weights), cached beside the model.
+weights), cached beside the model. An int4 CPU export of a GGUF holds the file's own blocks
+(``edged.carry_blocks``), multiplied by fleetserve's ``BlockMatMul`` op where its library builds
+(``kernels.ort_ops``; the session then loads it, ``edged.backends.onnx_backend``).
 
 Cache layout, for a model at ``<dir>/<name>`` (a ``.gguf`` file or a HF folder)::
 
     <dir>/<name>.onnx/<quant>-<target>/model.onnx        (+ model.onnx.data, genai_config.json)
                                        manifest.json     (written last; its key says what it was built from)
 
-A directory whose manifest key matches (model content hash, builder version, quant, target) is
+A directory whose manifest key matches (model content hash, builder version, quant, target, and
+the versions of those edits) is
 reused; anything else is rebuilt in a temporary sibling directory and renamed into place, so a
 reader never sees a half-built export.
 """
@@ -38,6 +41,9 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 # An int4 CPU export of a GGUF holds the GGUF's own blocks (edged.carry_blocks); bump when that changes.
 GGUF_BLOCKS_VERSION = 2
+# Its float-activation int4 nodes run fleetserve's own ONNX Runtime op (kernels.ort_ops) where that
+# library builds; bump when the op's inputs change.
+BLOCK_OPS_VERSION = 1
 # edged.graph_edits (logits rows per call, activation precision); bump when they change.
 GRAPH_EDITS_VERSION = 3
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
@@ -73,6 +79,7 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
            "builder": f"onnxruntime-genai {version}", "quant": quant, "target": target,
            "builder_options": BUILDER_OPTIONS,
            "gguf_blocks": GGUF_BLOCKS_VERSION if _carries_blocks(model_path, quant, target) else None,
+           "block_ops": BLOCK_OPS_VERSION if _runs_block_ops(model_path, quant, target) else None,
            "graph_edits": GRAPH_EDITS_VERSION}
     if read_manifest(out).get("key") == key:
         return out
@@ -85,8 +92,9 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
         if key["gguf_blocks"] is not None:
             from edged.carry_blocks import carry_gguf_blocks
 
-            carried = carry_gguf_blocks(build, model_path)
-            say(f"carried the GGUF's own blocks into {carried} MatMulNBits nodes")
+            carried = carry_gguf_blocks(build, model_path, block_ops=key["block_ops"] is not None)
+            kernel = "fleetserve.BlockMatMul" if key["block_ops"] is not None else "MatMulNBits"
+            say(f"carried the GGUF's own blocks into {carried} {kernel} nodes")
         if quant.startswith("int4") and target == "cpu":
             from edged.graph_edits import set_activation_precision
 
@@ -102,6 +110,15 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
 def _carries_blocks(model_path: Path, quant: str, target: str) -> bool:
     """Whether the export takes a GGUF's quantized blocks as they are (int4 on a CPU)."""
     return model_path.suffix == ".gguf" and quant.startswith("int4") and target == "cpu"
+
+
+def _runs_block_ops(model_path: Path, quant: str, target: str) -> bool:
+    """Whether the carried blocks run fleetserve's BlockMatMul (float activations, where the
+    library builds here; int4-a8 keeps MatMulNBits' int8 activations). A machine where it
+    stops building gets a key that differs, so a MatMulNBits export replaces it."""
+    from kernels.ort_ops import ort_ops_library
+
+    return quant == "int4" and _carries_blocks(model_path, quant, target) and ort_ops_library() is not None
 
 
 def builder_version() -> str:

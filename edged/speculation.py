@@ -92,9 +92,10 @@ def draft_length(available: int, p: float, costs: ForwardCosts) -> int:
     most expected tokens a second, ``(1 + p + ... + p^L) / cost(1 + L)`` (a forward yields its
     sampled token, then each draft while the ones before it hold); all of them while nothing is
     measured. Every draft costs a row whether or not it is confirmed, and what a row costs is the
-    backend's: ONNX Runtime's int4 graph costs about as much for 2 tokens as for 5 (measured
-    24, 44, 42, 62, 76 ms for 1, 2, 4, 8, 13 tokens), edged's torch int4 a little more per
-    token (14, 17, 25, 38, 63 ms)."""
+    backend's: with the block kernel (edged's torch int4, and the int4 ONNX graph's BlockMatMul)
+    a little more per token (measured on a 2-core AVX-512 EPYC: 10.6, 14, 18, 24, 32-40 ms for
+    1, 2, 4, 8, 13 tokens); with ONNX Runtime's MatMulNBits twice as much for 2 tokens as for
+    one (15, 28 ms), so its drafts rarely pay."""
     if costs.of(1) is None:
         return available
     best, best_rate, expected, term = 0, 0.0, 0.0, 1.0

@@ -18,6 +18,7 @@ import logging
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
@@ -28,25 +29,35 @@ SOURCES = ("paged_decode_cpu.cpp", "kv_layout_cpu.cpp", "softmax_lse_cpu.cpp", "
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module, or None where it cannot be built here (logged once)."""
+    return build_from_csrc("fleetserve_cpu_kernels", SOURCES, "CPU kernels", "using the plain-torch paths")
+
+
+def build_from_csrc(name: str, sources: tuple[str, ...], what: str, fallback: str,
+                    python_module: bool = True) -> Any | None:
+    """``csrc/<sources>`` built by torch's extension tooling into its cache (rebuilt when a
+    source or the flags change): the loaded module, or with ``python_module`` false the path of
+    a plain shared library (loaded into this process too). None where it cannot be built here;
+    the reason is logged as ``what`` unavailable, ``fallback``."""
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
     try:
         # -fno-trapping-math: no kernel reads floating-point exception flags, and with them in
         # play GCC leaves the clamped exp loops scalar (the float32 softmax_lse_ 3-4x slower)
-        module = cpp_extension.load(
-            name="fleetserve_cpu_kernels",
-            sources=[str(CSRC / name) for name in SOURCES],
+        built = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / source) for source in sources],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)],
+            is_python_module=python_module,
             verbose=False,
         )
-    except Exception as e:  # no compiler, no ninja, a failed build: the torch paths still work
-        log.warning("CPU kernels unavailable, using the plain-torch paths: %s", e)
+    except Exception as e:  # no compiler, no ninja, a failed build: the callers' other paths still work
+        log.warning("%s unavailable, %s: %s", what, fallback, e)
         return None
-    log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
-    return module
+    log.info("%s ready in %.1f s", what, time.perf_counter() - start)
+    return built
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ The KV buffers are ours: one ``[1, kv_heads, max_len, head_dim]`` torch tensor p
 for V, bound by pointer as both ``past_key_values.i.*`` and ``present.i.*`` on every step, so GQA
 writes the new positions in place and nothing is copied per step. ``save_kv``/``load_kv`` are slice
 copies of those tensors. Logits come back to the caller's sampler as a ``[vocab]`` float32 tensor.
+A graph whose manifest says it runs fleetserve's ``BlockMatMul`` (``kernels.ort_ops``) gets that
+library registered with its session, and torch's intra-op threads (which run those products)
+set to the backend's ``threads``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class OnnxBackend:
         spin = "1" if spinning else "0"
         options.add_session_config_entry("session.intra_op.allow_spinning", spin)
         options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        if key.get("block_ops") is not None:
+            _load_block_ops(options, self.model_dir)
+            torch.set_num_threads(threads)  # the ops' products run on torch's intra-op threads
         chosen = list(providers) if providers is not None else pick_providers(key.get("target", "cpu"))
         self.session = ort.InferenceSession(str(self.model_dir / decoder["filename"]), options, providers=chosen)
         self.providers: tuple[str, ...] = tuple(self.session.get_providers())
@@ -163,6 +169,18 @@ class OnnxBackend:
                 ptr = buffer.data_ptr()
                 self._binding.bind_input(f"past_key_values.{i}.{kind}", self._ort_device, 0, self._np_dtype, shape, ptr)
                 self._binding.bind_output(f"present.{i}.{kind}", self._ort_device, 0, self._np_dtype, shape, ptr)
+
+
+def _load_block_ops(options, model_dir: Path) -> None:
+    """Register fleetserve's ONNX Runtime ops (``kernels.ort_ops``) for a graph that uses them;
+    ValueError where the library cannot be built here."""
+    from kernels.ort_ops import ort_ops_library
+
+    library = ort_ops_library()
+    if library is None:
+        raise ValueError(f"{model_dir}: the graph runs fleetserve's ONNX Runtime ops, which cannot be built here "
+                         "(a C++ compiler is needed); export the model again")
+    options.register_custom_ops_library(str(library))
 
 
 def pick_providers(target: str) -> list[str]:

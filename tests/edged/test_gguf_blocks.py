@@ -88,18 +88,32 @@ def test_stacking_refuses_mixed_formats():
         BlockWeight.stack([four, eight])
 
 
-def test_the_int4_export_runs_the_gguf_s_own_weights(default_model_path, default_checkpoint):
-    """Every MatMulNBits node holds the GGUF's blocks, and the int4 graph's next-token choices
-    agree with the dequantized model in float32 (all 160 here; the re-rounded graph agreed 67 %
-    of the time; int8 activations, int4-a8, 96-98 %)."""
+@pytest.mark.parametrize("block_ops", [True, False], ids=["BlockMatMul", "MatMulNBits"])
+def test_the_int4_export_runs_the_gguf_s_own_weights(block_ops, default_model_path, default_checkpoint, monkeypatch,
+                                                     tmp_path):
+    """Every quantized projection holds the GGUF's blocks -- in fleetserve's BlockMatMul where
+    its library builds, else in ONNX Runtime's MatMulNBits with Q4_1's offset terms -- and the
+    int4 graph's next-token choices agree with the dequantized model in float32 (all 160 here;
+    the re-rounded graph agreed 67 % of the time; int8 activations, int4-a8, 96-98 %)."""
     pytest.importorskip("onnxruntime_genai", reason="needs the onnx extra")
+    import onnx
+
+    import kernels.ort_ops
     from edged.backends.onnx_backend import OnnxBackend
     from edged.backends.torch_backend import TorchBackend
     from edged.export import export_onnx
     from edged.quality import QUALITY_TEXT
 
-    export = export_onnx(default_model_path, "int4")
+    if block_ops and kernels.ort_ops.ort_ops_library() is None:
+        pytest.skip("the ONNX Runtime ops cannot be built here")
+    if not block_ops:  # a machine without a compiler: its own export, beside the shared one
+        monkeypatch.setattr(kernels.ort_ops, "ort_ops_library", lambda: None)
+    export = export_onnx(default_model_path, "int4", cache_root=None if block_ops else tmp_path)
     assert json.loads((export / "manifest.json").read_text())["gguf_block_nodes"] == 151
+    graph = onnx.load(str(export / "model.onnx"), load_external_data=False).graph
+    kernel_nodes = [n for n in graph.node if n.op_type in ("BlockMatMul", "MatMulNBits")]
+    assert len(kernel_nodes) == 151  # 30 layers x 5 fused projections and the LM head
+    assert {n.op_type for n in kernel_nodes} == {"BlockMatMul" if block_ops else "MatMulNBits"}
     ids = default_checkpoint.tokenizer.encode(QUALITY_TEXT.read_text())[:160]
     onnx_backend = OnnxBackend(export, max_len=256, threads=1)
     reference = TorchBackend(default_checkpoint, 256)

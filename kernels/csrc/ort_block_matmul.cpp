@@ -1,0 +1,205 @@
+// fleetserve.BlockMatMul, an ONNX Runtime custom op on the CPU: Y [..., N] = A [..., K] @ W^T for
+// a weight in blocks of 32 input columns, w = scale * code + minimum (4- or 8-bit codes), by the
+// block kernel of block_matmul_cpu.cpp. Contract and inputs: kernels/ort_ops.py.
+//
+// Up to kKernelMaxRows rows (a decode token and its drafts) run the block kernel, a row's result
+// the same whatever rows come with it; more rows (a prefill chunk) dequantize the weight once and
+// multiply by torch's GEMM, which wins there (as edged's torch backend does).
+//
+// Errors (bad attributes when a session is created, inputs that do not match when it runs)
+// return an ORT status naming the input: the caller's run fails, the process goes on.
+
+#include "block_weight.h"
+#include "cpu_kernels.h"
+#include "ort_abi.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;  // input columns per block
+constexpr int64_t kKernelMaxRows = 32;  // edged.backends.quantize.BLOCK_KERNEL_MAX_ROWS
+
+// A failed ORT call or check, carried to the op's entry point as the status ORT gets back.
+struct OrtFailure {
+  OrtStatus* status;
+};
+
+class Api {
+ public:
+  explicit Api(const OrtApi* api) : api_(api) {}
+
+  // Throws OrtFailure when an ORT call reports one.
+  void check(OrtStatus* status) const {
+    if (status != nullptr) throw OrtFailure{status};
+  }
+  [[noreturn]] void fail(const std::string& message) const {
+    throw OrtFailure{entry<ort_api::CreateStatus>(OrtApiSlot::CreateStatus)(ORT_INVALID_ARGUMENT, message.c_str())};
+  }
+  OrtStatus* status(OrtErrorCode code, const std::string& message) const {
+    return entry<ort_api::CreateStatus>(OrtApiSlot::CreateStatus)(code, message.c_str());
+  }
+
+  int64_t int_attribute(const OrtKernelInfo* info, const char* name) const {
+    int64_t value = 0;
+    check(entry<ort_api::KernelInfoGetAttribute_int64>(OrtApiSlot::KernelInfoGetAttribute_int64)(info, name, &value));
+    return value;
+  }
+
+  struct Tensor {
+    ONNXTensorElementDataType type;
+    std::vector<int64_t> shape;
+    int64_t elements;
+    void* data;
+  };
+
+  Tensor tensor(const OrtValue* value) const {
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    check(entry<ort_api::GetTensorTypeAndShape>(OrtApiSlot::GetTensorTypeAndShape)(value, &info));
+    Tensor t{};
+    size_t rank = 0;
+    OrtStatus* failed = entry<ort_api::GetTensorElementType>(OrtApiSlot::GetTensorElementType)(info, &t.type);
+    if (failed == nullptr) failed = entry<ort_api::GetDimensionsCount>(OrtApiSlot::GetDimensionsCount)(info, &rank);
+    if (failed == nullptr) {
+      t.shape.resize(rank);
+      failed = entry<ort_api::GetDimensions>(OrtApiSlot::GetDimensions)(info, t.shape.data(), rank);
+    }
+    entry<ort_api::ReleaseTensorTypeAndShapeInfo>(OrtApiSlot::ReleaseTensorTypeAndShapeInfo)(info);
+    check(failed);
+    t.elements = 1;
+    for (int64_t d : t.shape) t.elements *= d;
+    check(entry<ort_api::GetTensorMutableData>(OrtApiSlot::GetTensorMutableData)(const_cast<OrtValue*>(value), &t.data));
+    return t;
+  }
+
+  Tensor input(const OrtKernelContext* context, size_t index) const {
+    const OrtValue* value = nullptr;
+    check(entry<ort_api::KernelContext_GetInput>(OrtApiSlot::KernelContext_GetInput)(context, index, &value));
+    if (value == nullptr) fail("BlockMatMul: input " + std::to_string(index) + " is missing");
+    return tensor(value);
+  }
+
+  Tensor output(OrtKernelContext* context, const std::vector<int64_t>& shape) const {
+    OrtValue* value = nullptr;
+    check(entry<ort_api::KernelContext_GetOutput>(OrtApiSlot::KernelContext_GetOutput)(context, 0, shape.data(),
+                                                                                       shape.size(), &value));
+    return tensor(value);
+  }
+
+  template <typename F>
+  F entry(OrtApiSlot slot) const {
+    return ort_entry<F>(api_, slot);
+  }
+
+ private:
+  const OrtApi* api_;
+};
+
+struct BlockMatMulKernel {
+  Api api;
+  int64_t k, n, bits;
+
+  // Y = A @ W^T over inputs (A, B, scales, minimums); throws OrtFailure on inputs that do not match.
+  void compute(OrtKernelContext* context) const {
+    const Api::Tensor a = api.input(context, 0), packed = api.input(context, 1);
+    const Api::Tensor scales = api.input(context, 2), minimums = api.input(context, 3);
+    if (a.type != ORT_TENSOR_FLOAT || a.shape.empty() || a.shape.back() != k) {
+      api.fail("BlockMatMul: A must be float32 [..., K=" + std::to_string(k) + "]");
+    }
+    if (packed.type != ORT_TENSOR_UINT8 || packed.elements != n * k * bits / 8) {
+      api.fail("BlockMatMul: B must be uint8 with N * K * bits / 8 = " + std::to_string(n * k * bits / 8) +
+               " elements, got " + std::to_string(packed.elements));
+    }
+    for (const auto* t : {&scales, &minimums}) {
+      if (t->type != ORT_TENSOR_FLOAT || t->elements != n * (k / kGroup)) {
+        api.fail(std::string("BlockMatMul: ") + (t == &scales ? "scales" : "minimums") +
+                 " must be float32 with N * K / 32 = " + std::to_string(n * (k / kGroup)) + " elements");
+      }
+    }
+    std::vector<int64_t> out_shape(a.shape.begin(), a.shape.end() - 1);
+    out_shape.push_back(n);
+    const Api::Tensor y = api.output(context, out_shape);
+    const int64_t rows = a.elements / k;
+    if (rows <= kKernelMaxRows) {
+      const BlockWeightView w{static_cast<const uint8_t*>(packed.data), static_cast<const float*>(scales.data),
+                              static_cast<const float*>(minimums.data), n, k, bits};
+      block_matmul_into(static_cast<const float*>(a.data), rows, w, static_cast<float*>(y.data));
+      return;
+    }
+    const auto floats = torch::dtype(torch::kFloat);
+    const torch::Tensor weight = block_dequantize(
+        torch::from_blob(packed.data, {n, k * bits / 8}, torch::dtype(torch::kUInt8)),
+        torch::from_blob(scales.data, {n, k / kGroup}, floats), torch::from_blob(minimums.data, {n, k / kGroup}, floats),
+        bits);
+    torch::Tensor out = torch::from_blob(y.data, {rows, n}, floats);
+    torch::mm_out(out, torch::from_blob(a.data, {rows, k}, floats), weight.t());
+  }
+};
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* ort, const OrtKernelInfo* info, void** kernel) {
+  const Api api(ort);
+  try {
+    const int64_t k = api.int_attribute(info, "K"), n = api.int_attribute(info, "N");
+    const int64_t bits = api.int_attribute(info, "bits");
+    if (bits != 4 && bits != 8) api.fail("BlockMatMul: bits must be 4 or 8, got " + std::to_string(bits));
+    if (k <= 0 || k % kGroup != 0 || n <= 0) {
+      api.fail("BlockMatMul: K must be a positive multiple of 32 and N positive, got K=" + std::to_string(k) +
+               ", N=" + std::to_string(n));
+    }
+    *kernel = new BlockMatMulKernel{api, k, n, bits};
+    return nullptr;
+  } catch (const OrtFailure& failure) {
+    return failure.status;
+  }
+}
+
+OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+  const auto* self = static_cast<const BlockMatMulKernel*>(kernel);
+  try {
+    self->compute(context);
+    return nullptr;
+  } catch (const OrtFailure& failure) {
+    return failure.status;
+  } catch (const std::exception& e) {  // an allocation failure: the run fails, nothing aborts
+    return self->api.status(ORT_FAIL, std::string("BlockMatMul: ") + e.what());
+  }
+}
+
+const OrtCustomOp kBlockMatMul = [] {
+  OrtCustomOp op{};
+  op.version = kOrtCustomOpVersion;
+  op.GetName = [](const OrtCustomOp*) { return "BlockMatMul"; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+  op.GetInputType = [](const OrtCustomOp*, size_t index) { return index == 1 ? ORT_TENSOR_UINT8 : ORT_TENSOR_FLOAT; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ORT_TENSOR_FLOAT; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.KernelDestroy = [](void* kernel) { delete static_cast<BlockMatMulKernel*>(kernel); };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return ORT_IO_REQUIRED; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return ORT_IO_REQUIRED; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return ORT_MEM_DEFAULT; };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  return op;
+}();
+
+}  // namespace
+
+// The domain "fleetserve" with BlockMatMul, added to the session options ORT is building.
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* base) {
+  const OrtApi* ort = base->GetApi(kOrtApiVersion);
+  if (ort == nullptr) return nullptr;  // cannot happen for a runtime of version >= 16; nothing to report through
+  const Api api(ort);
+  OrtCustomOpDomain* domain = nullptr;
+  try {
+    api.check(api.entry<ort_api::CreateCustomOpDomain>(OrtApiSlot::CreateCustomOpDomain)("fleetserve", &domain));
+    api.check(api.entry<ort_api::CustomOpDomain_Add>(OrtApiSlot::CustomOpDomain_Add)(domain, &kBlockMatMul));
+    api.check(api.entry<ort_api::AddCustomOpDomain>(OrtApiSlot::AddCustomOpDomain)(options, domain));
+    return nullptr;
+  } catch (const OrtFailure& failure) {
+    return failure.status;
+  }
+}
