@@ -35,8 +35,8 @@ import torch
 
 from edged.backends.base import Batch1Backend
 from edged.pinned import PinnedKVStore, PinnedPrompt
-from edged.speculation import (Confirmations, ForwardCosts, NgramDrafter, SpeculationConfig, draft_length,
-                               recent_outputs, remember)
+from edged.speculation import (Confirmations, ForwardCosts, NgramDrafter, SpeculationConfig, SpellingWatch,
+                               Spellings, draft_length, recent_outputs, remember)
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import GrammarState, MaskBatch
@@ -101,6 +101,7 @@ class Batch1Generator:
         self.held: list[int] = []  # tokens whose K/V the buffer holds at positions 0..len-1
         self.speculation = speculation
         self.history = recent_outputs(speculation)  # the robot's recent outputs, for drafts
+        self.spellings = Spellings()  # how the model spelled forced text, for drafts
         self.forward_costs = ForwardCosts()  # the backend's decode forwards, timed by token count
         self.drafted_tokens = 0  # over finished jobs: drafts verified, and those sampling confirmed
         self.accepted_drafts = 0
@@ -143,6 +144,7 @@ class Batch1Generator:
         rows = [self._forward_from(context[reused:], reused)]  # logits rows not yet sampled from
         job.prefilled_tokens += len(context) - reused
         drafter = NgramDrafter(self.speculation, context, self.history) if self.speculation.enabled else None
+        watch = SpellingWatch(self.spellings, self.tokenizer.decode)
         drafts: list[int] = []  # verified by ``rows``: rows[i] follows drafts[i - 1]
         confirmations = Confirmations()
         sent = 0  # drafts the last forward carried
@@ -171,7 +173,7 @@ class Batch1Generator:
                 self.held.append(token)
                 continue
             confirmations.verified(sent, confirmed=sent - len(drafts))
-            drafts = self._draft(job, drafter, confirmations.p)
+            drafts = self._draft(job, drafter, watch, confirmations.p)
             sent = len(drafts)
             began = time.perf_counter()
             rows = list(forward_tokens(self.backend, [token, *drafts], len(self.held),
@@ -180,24 +182,28 @@ class Batch1Generator:
                 self.forward_costs.record(1 + sent, time.perf_counter() - began)
             self.held.append(token)
 
-    def _draft(self, job: LocalJob, drafter: NgramDrafter | None, p: float) -> list[int]:
+    def _draft(self, job: LocalJob, drafter: NgramDrafter | None, watch: SpellingWatch, p: float) -> list[int]:
         """Tokens to verify after the one just sampled: an n-gram lookup, or where the grammar
         forces text next (jump-forward) and the lookup's text does not agree with it, that
-        text's tokens and a lookup after them; as many of them as pay for their rows at the
+        text's tokens -- as the model spelled it before (``Spellings``), else the tokenizer's
+        encoding -- and a lookup after them; as many of them as pay for their rows at the
         job's confirmation rate ``p`` (``edged.speculation.draft_length``); [] without
         speculation or room."""
         if drafter is None:
             return []
+        watch.observe(job.generated)
         room = min(self.speculation.max_draft, job.params.max_tokens - len(job.generated) - 1,
                    self.backend.max_len - len(self.held) - 2)
         if room <= 0:
             return []
         drafts = drafter.draft(room)
         forced = job.grammar.forced_text() if job.grammar is not None and not job.grammar.finished else ""
+        if forced:
+            watch.expect(len(job.generated), forced)
         if forced and not _agree(self.tokenizer.decode(drafts), forced):
             # NOTE: the model often spells forced text as it did earlier in the context (its own
             # token boundaries), so the n-gram draft wins whenever its text agrees with it.
-            drafts = self.tokenizer.encode(forced)[:room]
+            drafts = (self.spellings.get(forced) or self.tokenizer.encode(forced))[:room]
             drafts += drafter.draft(room - len(drafts), after=drafts) if len(drafts) < room else []
         drafts = drafts[:draft_length(len(drafts), p, self.forward_costs)]
         job.drafted_tokens += len(drafts)

@@ -12,7 +12,8 @@ carries is what pays for their rows (``draft_length``: the backend's measured fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -164,6 +165,70 @@ class NgramDrafter:
             if found:
                 return found
         return []
+
+
+class Spellings:
+    """How the model itself spelled text the grammar forced: forced text -> the tokens it chose
+    for it, learned from its own outputs (the newest spelling wins; at most ``capacity`` texts,
+    the least recently used dropped). Under a grammar a model often splits forced text unlike
+    the tokenizer (SmolLM2 writes ``g`` + ``rasp`` where the tokenizer's encoding is ``gr`` +
+    ``asp``), and a draft of the tokenizer's split is refused at its first token."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def get(self, text: str) -> list[int] | None:
+        tokens = self._tokens.get(text)
+        if tokens is None:
+            return None
+        self._tokens.move_to_end(text)
+        return list(tokens)
+
+    def learn(self, text: str, tokens: Sequence[int]) -> None:
+        self._tokens[text] = tuple(tokens)
+        self._tokens.move_to_end(text)
+        if len(self._tokens) > self.capacity:
+            self._tokens.popitem(last=False)
+
+
+class SpellingWatch:
+    """One job's forced texts waiting for the tokens that will spell them: ``expect`` where the
+    grammar forces text next, ``observe`` the job's tokens as they grow; each text, once its
+    tokens cover it, goes into ``spellings`` (or is dropped where they do not spell it: the job
+    stopped inside it)."""
+
+    def __init__(self, spellings: Spellings, decode: Callable[[Sequence[int]], str]) -> None:
+        self.spellings = spellings
+        self.decode = decode
+        self._pending: list[tuple[int, str]] = []  # (index of the text's first token in the job's output, text)
+
+    def expect(self, at: int, text: str) -> None:
+        """``text`` is forced from the job's output token ``at`` on."""
+        if not any(pending == (at, text) for pending in self._pending):
+            self._pending.append((at, text))
+
+    def observe(self, output: Sequence[int]) -> None:
+        waiting = []
+        for at, text in self._pending:
+            spelled = self._spelling(output, at, text)
+            if spelled is None:
+                waiting.append((at, text))
+            elif spelled:
+                self.spellings.learn(text, spelled)
+        self._pending = waiting
+
+    def _spelling(self, output: Sequence[int], at: int, text: str) -> list[int] | None:
+        """The fewest tokens from ``at`` whose text starts with ``text``; [] where their text
+        covers it and differs; None while it does not cover it yet."""
+        for end in range(at + 1, len(output) + 1):
+            spelled = self.decode(output[at:end])
+            if len(spelled) >= len(text):
+                return list(output[at:end]) if spelled.startswith(text) else []
+        return None
 
 
 def recent_outputs(config: SpeculationConfig) -> NgramIndex:

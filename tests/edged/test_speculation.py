@@ -1,4 +1,5 @@
-"""n-gram drafts (edged.speculation) against a naive scan, and the history's bound."""
+"""n-gram drafts (edged.speculation) against a naive scan, the history's bound, and the forced
+texts' spellings learned from the model's own output."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edged.speculation import (Confirmations, ForwardCosts, NgramDrafter, NgramIndex, SpeculationConfig, draft_length,
-                               recent_outputs, remember)
+from edged.speculation import (Confirmations, ForwardCosts, NgramDrafter, NgramIndex, SpeculationConfig, SpellingWatch,
+                               Spellings, draft_length, recent_outputs, remember)
 
 
 def naive_follow(tokens: list[int], suffix: list[int], limit: int) -> list[int]:
@@ -67,6 +68,42 @@ def test_history_keeps_the_newest_tokens():
     assert history.follow([5], 2) == [6, 7]
     none = SpeculationConfig(history_tokens=0)
     assert remember(recent_outputs(none), [1, 2, 3], none).tokens == []  # no history at all
+
+
+PIECES = {1: '{"', 2: "grasp", 3: "g", 4: "rasp", 5: '": "', 6: "gentle", 7: '"}', 8: "gr"}
+
+
+def decode(tokens) -> str:
+    return "".join(PIECES[t] for t in tokens)
+
+
+def test_a_forced_text_is_learned_as_the_model_spelled_it():
+    spellings = Spellings()
+    watch = SpellingWatch(spellings, decode)
+    output = [1]
+    watch.expect(1, 'grasp": "')  # the grammar forces it after the first token
+    watch.expect(1, 'grasp": "')  # asked again (a refused draft): one entry
+    for token in (3, 4):
+        output.append(token)
+        watch.observe(output)
+        assert spellings.get('grasp": "') is None  # not covered yet
+    output += [5, 6]
+    watch.observe(output)
+    assert spellings.get('grasp": "') == [3, 4, 5]  # the fewest tokens that cover it, not the tokenizer's [2, 5]
+    watch.expect(5, '"}')
+    watch.observe(output + [8])  # its tokens spell something else (cannot happen under the grammar): dropped
+    watch.observe(output + [8, 7])
+    assert spellings.get('"}') is None and len(spellings) == 1
+
+
+def test_spellings_keep_the_newest_and_the_most_recently_used():
+    spellings = Spellings(capacity=2)
+    spellings.learn("a", [1])
+    spellings.learn("b", [2])
+    spellings.learn("a", [3])  # the newest spelling wins
+    assert spellings.get("a") == [3]
+    spellings.learn("c", [4])  # "b" was used least recently
+    assert spellings.get("b") is None and spellings.get("a") == [3] and spellings.get("c") == [4]
 
 
 @pytest.mark.parametrize("bad", [{"max_draft": 0}, {"max_ngram": 0}, {"min_ngram": 0}, {"min_ngram": 5},
