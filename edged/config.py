@@ -17,8 +17,8 @@ from shared.config import build_dataclass
 class BackendConfig:
     """Which batch-1 backend runs the model, and how."""
 
-    # "onnx" (ONNX Runtime: the fastest first token on a CPU) | "torch" (the fastest plans on a
-    # CPU, see the README; CUDA graphs on a GPU)
+    # "onnx" (ONNX Runtime; int4 GGUF blocks by our block kernel: the fastest first token on a
+    # CPU) | "torch" (our kernels throughout on a CPU, plans as fast; CUDA graphs on a GPU)
     kind: str = "onnx"
     quant: str = "int4"  # "none" | "int8" | "int4" (weight-only)
     max_len: int = 2048  # positions in the KV buffer: the robot's local context
