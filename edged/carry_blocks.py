@@ -45,10 +45,10 @@ _BLOCK_SECTION = {"attn": "self_attn", "mlp": "mlp"}
 
 def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path, block_ops: bool = False) -> int:
     """Rewrite ``onnx_dir/model.onnx`` (and its external data) with the GGUF's blocks; returns
-    how many MatMulNBits nodes now hold them. With ``block_ops`` those nodes become
+    how many of its MatMulNBits nodes now hold them. With ``block_ops`` those nodes become
     ``fleetserve.BlockMatMul`` (``kernels.ort_ops``: the blocks with their minimums, no offset
     term), reading the same packed codes and scales as the token lookups that share them; the
-    session must then load that library."""
+    session must then load that library (a node with a bias keeps MatMulNBits)."""
     config, blocks = gguf_block_weights(gguf_path)
     model = onnx.load(str(onnx_dir / "model.onnx"))  # with its external data
     initializers = {i.name: i for i in model.graph.initializer}
@@ -82,7 +82,6 @@ def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path, block_ops: bool = False) 
             nodes += _offset_term(model, node, weight.offsets, block_sums)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    _drop_unread_initializers(model)
     data = onnx_dir / "model.onnx.data"
     data.unlink(missing_ok=True)  # the writer appends to an existing file
     onnx.save_model(model, str(onnx_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -100,14 +99,6 @@ def _block_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: BlockWei
     n, k = weight.codes.shape
     return onnx.helper.make_node(BLOCK_MATMUL, [node.input[0], node.input[1], node.input[2], minimums.name],
                                  list(node.output), name=node.name, domain=DOMAIN, K=k, N=n, bits=weight.bits)
-
-
-def _drop_unread_initializers(model: onnx.ModelProto) -> None:
-    """Remove the initializers no node reads (zero points only block nodes' lookups would have used)."""
-    read = {name for node in model.graph.node for name in node.input}
-    unread = [i for i in model.graph.initializer if i.name not in read]
-    for initializer in unread:
-        model.graph.initializer.remove(initializer)
 
 
 def _carried_weight(node: onnx.NodeProto, config: ModelConfig, blocks: dict[str, BlockWeight]) -> BlockWeight | None:

@@ -93,8 +93,8 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
             from edged.carry_blocks import carry_gguf_blocks
 
             carried = carry_gguf_blocks(build, model_path, block_ops=key["block_ops"] is not None)
-            kernel = "fleetserve.BlockMatMul" if key["block_ops"] is not None else "MatMulNBits"
-            say(f"carried the GGUF's own blocks into {carried} {kernel} nodes")
+            kernel = "fleetserve.BlockMatMul" if key["block_ops"] is not None else "ONNX Runtime's MatMulNBits"
+            say(f"carried the GGUF's own blocks into {carried} nodes, multiplied by {kernel}")
         if quant.startswith("int4") and target == "cpu":
             from edged.graph_edits import set_activation_precision
 

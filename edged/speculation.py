@@ -17,6 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
+# A token and its drafts stay within the backends' row-exact paths (the CPU decode attention
+# kernel's 16 rows, kernels.dense_attention; the block kernel's 32, kernels.ort_ops), where a
+# row's logits do not depend on the rows beside it: more would let a draft change a token.
+MAX_DRAFT = 15
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """``[speculation]`` in edged.toml. ``enabled`` false decodes one token per forward."""
@@ -28,8 +34,10 @@ class SpeculationConfig:
     history_tokens: int = 4096  # the robot's recent outputs kept for lookup
 
     def __post_init__(self) -> None:
-        if self.max_draft < 1 or not 1 <= self.min_ngram <= self.max_ngram or self.history_tokens < 0:
-            raise ValueError("speculation: max_draft >= 1, 1 <= min_ngram <= max_ngram, history_tokens >= 0")
+        if (not 1 <= self.max_draft <= MAX_DRAFT or not 1 <= self.min_ngram <= self.max_ngram
+                or self.history_tokens < 0):
+            raise ValueError(f"speculation: 1 <= max_draft <= {MAX_DRAFT}, 1 <= min_ngram <= max_ngram, "
+                             "history_tokens >= 0")
 
 
 class ForwardCosts:
@@ -197,9 +205,11 @@ class Spellings:
 
 class SpellingWatch:
     """One job's forced texts waiting for the tokens that will spell them: ``expect`` where the
-    grammar forces text next, ``observe`` the job's tokens as they grow; each text, once its
-    tokens cover it, goes into ``spellings`` (or is dropped where they do not spell it: the job
-    stopped inside it)."""
+    grammar forces text next, ``observe`` the job's tokens as they grow; each text, once the
+    fewest tokens that cover it are there, goes into ``spellings`` with them (their last token
+    may run past it, as the model wrote it then), or is dropped where their text differs (a
+    tokenizer whose decoded slices are not the text they spell). Texts still waiting when the
+    job ends are not learned."""
 
     def __init__(self, spellings: Spellings, decode: Callable[[Sequence[int]], str]) -> None:
         self.spellings = spellings
@@ -226,7 +236,7 @@ class SpellingWatch:
         covers it and differs; None while it does not cover it yet."""
         for end in range(at + 1, len(output) + 1):
             spelled = self.decode(output[at:end])
-            if len(spelled) >= len(text):
+            if len(spelled) >= len(text) and not spelled.endswith("\ufffd"):  # not inside a character
                 return list(output[at:end]) if spelled.startswith(text) else []
         return None
 

@@ -21,6 +21,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;  // input columns per block
 constexpr int64_t kKernelMaxRows = 32;  // edged.backends.quantize.BLOCK_KERNEL_MAX_ROWS
+constexpr int64_t kMaxDimension = int64_t{1} << 31;  // K and N: their element counts stay in int64
 
 // A failed ORT call or check, carried to the op's entry point as the status ORT gets back.
 struct OrtFailure {
@@ -35,11 +36,23 @@ class Api {
   void check(OrtStatus* status) const {
     if (status != nullptr) throw OrtFailure{status};
   }
-  [[noreturn]] void fail(const std::string& message) const {
-    throw OrtFailure{entry<ort_api::CreateStatus>(OrtApiSlot::CreateStatus)(ORT_INVALID_ARGUMENT, message.c_str())};
-  }
+  [[noreturn]] void fail(const std::string& message) const { throw OrtFailure{status(ORT_INVALID_ARGUMENT, message)}; }
+  // A status to return to ORT. NOTE: never null (null means success): without memory for one,
+  // the process is failing anyway and ORT's own allocations abort it.
   OrtStatus* status(OrtErrorCode code, const std::string& message) const {
     return entry<ort_api::CreateStatus>(OrtApiSlot::CreateStatus)(code, message.c_str());
+  }
+  // The status for whatever an entry point caught: the failure's own, else ORT_FAIL with `what`.
+  OrtStatus* caught(const char* what) const {
+    try {
+      throw;
+    } catch (const OrtFailure& failure) {
+      return failure.status;
+    } catch (const std::exception& e) {
+      return status(ORT_FAIL, std::string(what) + ": " + e.what());
+    } catch (...) {
+      return status(ORT_FAIL, std::string(what) + ": unknown error");
+    }
   }
 
   int64_t int_attribute(const OrtKernelInfo* info, const char* name) const {
@@ -108,8 +121,8 @@ struct BlockMatMulKernel {
     if (a.type != ORT_TENSOR_FLOAT || a.shape.empty() || a.shape.back() != k) {
       api.fail("BlockMatMul: A must be float32 [..., K=" + std::to_string(k) + "]");
     }
-    if (packed.type != ORT_TENSOR_UINT8 || packed.elements != n * k * bits / 8) {
-      api.fail("BlockMatMul: B must be uint8 with N * K * bits / 8 = " + std::to_string(n * k * bits / 8) +
+    if (packed.type != ORT_TENSOR_UINT8 || packed.elements != n * (k * bits / 8)) {
+      api.fail("BlockMatMul: B must be uint8 with N * K * bits / 8 = " + std::to_string(n * (k * bits / 8)) +
                " elements, got " + std::to_string(packed.elements));
     }
     for (const auto* t : {&scales, &minimums}) {
@@ -144,14 +157,14 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* ort, const OrtKernelI
     const int64_t k = api.int_attribute(info, "K"), n = api.int_attribute(info, "N");
     const int64_t bits = api.int_attribute(info, "bits");
     if (bits != 4 && bits != 8) api.fail("BlockMatMul: bits must be 4 or 8, got " + std::to_string(bits));
-    if (k <= 0 || k % kGroup != 0 || n <= 0) {
-      api.fail("BlockMatMul: K must be a positive multiple of 32 and N positive, got K=" + std::to_string(k) +
-               ", N=" + std::to_string(n));
+    if (k <= 0 || k % kGroup != 0 || k > kMaxDimension || n <= 0 || n > kMaxDimension) {
+      api.fail("BlockMatMul: K must be a positive multiple of 32 and N positive, both at most 2^31, got K=" +
+               std::to_string(k) + ", N=" + std::to_string(n));
     }
     *kernel = new BlockMatMulKernel{api, k, n, bits};
     return nullptr;
-  } catch (const OrtFailure& failure) {
-    return failure.status;
+  } catch (...) {
+    return api.caught("BlockMatMul");
   }
 }
 
@@ -160,10 +173,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   try {
     self->compute(context);
     return nullptr;
-  } catch (const OrtFailure& failure) {
-    return failure.status;
-  } catch (const std::exception& e) {  // an allocation failure: the run fails, nothing aborts
-    return self->api.status(ORT_FAIL, std::string("BlockMatMul: ") + e.what());
+  } catch (...) {  // a mismatched input, an allocation failure: the run fails, nothing aborts
+    return self->api.caught("BlockMatMul");
   }
 }
 
@@ -188,6 +199,8 @@ const OrtCustomOp kBlockMatMul = [] {
 }  // namespace
 
 // The domain "fleetserve" with BlockMatMul, added to the session options ORT is building.
+// NOTE: the domain is never released: ORT reads it for as long as any session built from these
+// options lives (one small object per session a backend creates).
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                                 const OrtApiBase* base) {
   const OrtApi* ort = base->GetApi(kOrtApiVersion);
@@ -199,7 +212,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     api.check(api.entry<ort_api::CustomOpDomain_Add>(OrtApiSlot::CustomOpDomain_Add)(domain, &kBlockMatMul));
     api.check(api.entry<ort_api::AddCustomOpDomain>(OrtApiSlot::AddCustomOpDomain)(options, domain));
     return nullptr;
-  } catch (const OrtFailure& failure) {
-    return failure.status;
+  } catch (...) {
+    return api.caught("RegisterCustomOps");
   }
 }

@@ -96,17 +96,19 @@ def test_a_forced_text_is_learned_as_the_model_spelled_it():
     assert spellings.get('"}') is None and len(spellings) == 1
 
 
-def test_spellings_keep_the_newest_and_the_most_recently_used():
-    spellings = Spellings(capacity=2)
-    spellings.learn("a", [1])
-    spellings.learn("b", [2])
-    spellings.learn("a", [3])  # the newest spelling wins
-    assert spellings.get("a") == [3]
-    spellings.learn("c", [4])  # "b" was used least recently
-    assert spellings.get("b") is None and spellings.get("a") == [3] and spellings.get("c") == [4]
+def test_a_spelling_is_not_cut_inside_a_character():
+    """Byte-level tokens can split a character: the first half alone decodes to U+FFFD."""
+    halves = {(1,): "\ufffd", (1, 2): "é", (1, 2, 3): "ét"}
+    spellings = Spellings()
+    watch = SpellingWatch(spellings, lambda tokens: halves[tuple(tokens)])
+    watch.expect(0, "é")
+    watch.observe([1])
+    assert len(spellings) == 0  # still waiting, not dropped
+    watch.observe([1, 2, 3])
+    assert spellings.get("é") == [1, 2]
 
 
-@pytest.mark.parametrize("bad", [{"max_draft": 0}, {"max_ngram": 0}, {"min_ngram": 0}, {"min_ngram": 5},
+@pytest.mark.parametrize("bad", [{"max_draft": 0}, {"max_draft": 16}, {"max_ngram": 0}, {"min_ngram": 0}, {"min_ngram": 5},
                                  {"history_tokens": -1}])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="speculation"):

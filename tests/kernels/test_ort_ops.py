@@ -69,6 +69,8 @@ def test_inputs_that_do_not_match_fail_the_run_and_name_themselves():
     good = {"A": np.ones((1, 2, k), np.float32), "B": np.zeros((n, k // 2), np.uint8),
             "scales": np.ones((n, k // BLOCK), np.float32), "minimums": np.zeros((n, k // BLOCK), np.float32)}
     assert run.run(None, good)[0].shape == (1, 2, n)
+    assert run.run(None, good | {"A": np.ones((0, k), np.float32)})[0].shape == (0, n)  # no rows
+    assert run.run(None, good | {"A": np.ones(k, np.float32)})[0].shape == (n,)  # a vector
     for name, value, message in [("A", np.ones((1, 2, k + 32), np.float32), r"A must be float32 \[\.\.\., K=64\]"),
                                  ("B", np.zeros((n, k), np.uint8), "B must be uint8 with N \\* K \\* bits / 8 = 256"),
                                  ("scales", np.ones((n, 1), np.float32), "scales must be float32"),
@@ -79,7 +81,8 @@ def test_inputs_that_do_not_match_fail_the_run_and_name_themselves():
 
 
 @pytest.mark.parametrize(("attributes", "message"), [({"bits": 3}, "bits must be 4 or 8, got 3"),
-                                                     ({"K": 48}, "K must be a positive multiple of 32")])
+                                                     ({"K": 48}, "K must be a positive multiple of 32"),
+                                                     ({"N": 1 << 32}, "both at most 2\\^31")])
 def test_bad_attributes_fail_the_session_with_a_reason(attributes, message):
     with pytest.raises(Exception, match=message):
         session(block_matmul_model(8, 64, 4, overrides=attributes))
