@@ -189,6 +189,10 @@ class Spellings:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    def items(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(text, tokens) for every spelling kept, least recently used first."""
+        return list(self._tokens.items())
+
     def get(self, text: str) -> list[int] | None:
         tokens = self._tokens.get(text)
         if tokens is None:

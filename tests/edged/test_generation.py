@@ -173,6 +173,10 @@ def test_speculation_changes_no_token(request, default_checkpoint, compiler, pla
     (plain, plain_job), (fast, fast_job) = outputs
     assert fast == plain
     assert plain_job.drafted_tokens == 0 and 0 < fast_job.accepted_drafts <= fast_job.drafted_tokens
+    if constrained:  # the plan's forced texts were learned as the model spelled them, for later drafts
+        assert len(gen.spellings) > 0
+        for text, tokens in gen.spellings.items():
+            assert tok.decode(list(tokens)).startswith(text)
 
 
 class _RowPathBackend:
