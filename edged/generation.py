@@ -150,9 +150,9 @@ class Batch1Generator:
         sent = 0  # drafts the last forward carried
         while True:
             if cancelled():
-                return self._end(job, FinishReason.ABORT, emit)
+                return self._end(job, FinishReason.ABORT, emit, watch)
             if job.deadline is not None and self.clock() >= job.deadline:
-                return self._end(job, FinishReason.DEADLINE, emit)
+                return self._end(job, FinishReason.DEADLINE, emit, watch)
             if should_yield():
                 job.preemptions += 1
                 return False
@@ -164,7 +164,7 @@ class Batch1Generator:
             if reason is None and len(self.held) + 1 >= self.backend.max_len:
                 reason = FinishReason.LENGTH  # the buffer is full
             if reason is not None:
-                return self._end(job, reason, emit)
+                return self._end(job, reason, emit, watch)
             if drafter is not None:
                 drafter.accept([token])
             if drafts and token == drafts[0]:  # the buffer holds its K/V and rows[0] follows it
@@ -252,8 +252,10 @@ class Batch1Generator:
         grammar_done = job.grammar is not None and job.grammar.finished
         return stop_reason(job.params, token, self.eos_token_ids, grammar_done, len(job.generated))
 
-    def _end(self, job: LocalJob, reason: FinishReason, emit: Callable[[list[int], str], None]) -> bool:
+    def _end(self, job: LocalJob, reason: FinishReason, emit: Callable[[list[int], str], None],
+             watch: SpellingWatch) -> bool:
         job.finish_reason = reason
+        watch.observe(job.generated)  # the forced texts its last tokens spelled
         rest = job.detok.flush()
         if rest:
             emit([], rest)

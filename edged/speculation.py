@@ -212,8 +212,8 @@ class SpellingWatch:
     grammar forces text next, ``observe`` the job's tokens as they grow; each text, once the
     fewest tokens that cover it are there, goes into ``spellings`` with them (their last token
     may run past it, as the model wrote it then), or is dropped where their text differs (a
-    tokenizer whose decoded slices are not the text they spell). Texts still waiting when the
-    job ends are not learned."""
+    tokenizer whose decoded slices are not the text they spell). The generator observes before
+    each draft and when the job ends; texts its tokens never covered are not learned."""
 
     def __init__(self, spellings: Spellings, decode: Callable[[Sequence[int]], str]) -> None:
         self.spellings = spellings
