@@ -2,7 +2,7 @@
 // because the onnxruntime wheel ships no headers.
 //
 // OrtApi is a table of function pointers whose order never changes between releases (new
-// entries are only appended), so an entry is read by its index (OrtApiSlot). OrtCustomOp is the
+// entries are only appended), so an entry is read by its index (OrtEntry). OrtCustomOp is the
 // struct ORT reads an op from; its layout up to the version-16 members is spelled out, and
 // `version` tells ORT which members exist: 16 gives the V2 create/compute members that return a
 // status (an error reaches the caller as a failed run, nothing aborts). Facts checked against
@@ -58,48 +58,38 @@ struct OrtCustomOp {
 };
 constexpr uint32_t kOrtCustomOpVersion = 16;  // the last member above
 
-// The library's entry point ORT looks up after loading it; returns null on success.
-using RegisterCustomOpsFn = OrtStatus* (*)(OrtSessionOptions* options, const OrtApiBase* api);
-
 }  // extern "C"
 
-// Indices of the OrtApi entries used (0-based, in the table's fixed order) and their types.
-enum class OrtApiSlot : size_t {
-  CreateStatus = 0,
-  CreateCustomOpDomain = 26,
-  CustomOpDomain_Add = 27,
-  AddCustomOpDomain = 28,
-  GetTensorMutableData = 51,
-  GetTensorElementType = 60,
-  GetDimensionsCount = 61,
-  GetDimensions = 62,
-  GetTensorTypeAndShape = 65,
-  KernelInfoGetAttribute_int64 = 86,
-  KernelContext_GetInput = 90,
-  KernelContext_GetOutput = 91,
-  ReleaseTensorTypeAndShapeInfo = 99,
+// The OrtApi entries used: each its index in the table (0-based, the fixed order) and its type.
+template <size_t Index, typename F>
+struct OrtEntry {
+  static constexpr size_t index = Index;
+  using Fn = F;
 };
-constexpr uint32_t kOrtApiVersion = 16;  // every slot above exists from this version on
+constexpr uint32_t kOrtApiVersion = 16;  // every entry below exists from this version on
 
 namespace ort_api {
-using CreateStatus = OrtStatus* (*)(OrtErrorCode code, const char* message);
-using CreateCustomOpDomain = OrtStatus* (*)(const char* domain, OrtCustomOpDomain** out);
-using CustomOpDomain_Add = OrtStatus* (*)(OrtCustomOpDomain* domain, const OrtCustomOp* op);
-using AddCustomOpDomain = OrtStatus* (*)(OrtSessionOptions* options, OrtCustomOpDomain* domain);
-using GetTensorMutableData = OrtStatus* (*)(OrtValue* value, void** out);
-using GetTensorElementType = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, ONNXTensorElementDataType* out);
-using GetDimensionsCount = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, size_t* out);
-using GetDimensions = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t count);
-using GetTensorTypeAndShape = OrtStatus* (*)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);
-using KernelInfoGetAttribute_int64 = OrtStatus* (*)(const OrtKernelInfo* info, const char* name, int64_t* out);
-using KernelContext_GetInput = OrtStatus* (*)(const OrtKernelContext* context, size_t index, const OrtValue** out);
-using KernelContext_GetOutput = OrtStatus* (*)(OrtKernelContext* context, size_t index, const int64_t* dims,
-                                               size_t count, OrtValue** out);
-using ReleaseTensorTypeAndShapeInfo = void (*)(OrtTensorTypeAndShapeInfo* info);
+using CreateStatus = OrtEntry<0, OrtStatus* (*)(OrtErrorCode code, const char* message)>;
+using CreateCustomOpDomain = OrtEntry<26, OrtStatus* (*)(const char* domain, OrtCustomOpDomain** out)>;
+using CustomOpDomain_Add = OrtEntry<27, OrtStatus* (*)(OrtCustomOpDomain* domain, const OrtCustomOp* op)>;
+using AddCustomOpDomain = OrtEntry<28, OrtStatus* (*)(OrtSessionOptions* options, OrtCustomOpDomain* domain)>;
+using GetTensorMutableData = OrtEntry<51, OrtStatus* (*)(OrtValue* value, void** out)>;
+using GetTensorElementType =
+    OrtEntry<60, OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, ONNXTensorElementDataType* out)>;
+using GetDimensionsCount = OrtEntry<61, OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, size_t* out)>;
+using GetDimensions = OrtEntry<62, OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t count)>;
+using GetTensorTypeAndShape = OrtEntry<65, OrtStatus* (*)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out)>;
+using KernelInfoGetAttribute_int64 =
+    OrtEntry<86, OrtStatus* (*)(const OrtKernelInfo* info, const char* name, int64_t* out)>;
+using KernelContext_GetInput =
+    OrtEntry<90, OrtStatus* (*)(const OrtKernelContext* context, size_t index, const OrtValue** out)>;
+using KernelContext_GetOutput = OrtEntry<91, OrtStatus* (*)(OrtKernelContext* context, size_t index,
+                                                           const int64_t* dims, size_t count, OrtValue** out)>;
+using ReleaseTensorTypeAndShapeInfo = OrtEntry<99, void (*)(OrtTensorTypeAndShapeInfo* info)>;
 }  // namespace ort_api
 
-// The entry at `slot` of `api`, as the function type F.
-template <typename F>
-F ort_entry(const OrtApi* api, OrtApiSlot slot) {
-  return reinterpret_cast<F const*>(api)[static_cast<size_t>(slot)];
+// `api`'s entry E (one of ort_api's), as its function type.
+template <typename E>
+typename E::Fn ort_entry(const OrtApi* api) {
+  return reinterpret_cast<typename E::Fn const*>(api)[E::index];
 }

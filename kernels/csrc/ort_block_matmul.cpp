@@ -40,7 +40,7 @@ class Api {
   // A status to return to ORT. NOTE: never null (null means success): without memory for one,
   // the process is failing anyway and ORT's own allocations abort it.
   OrtStatus* status(OrtErrorCode code, const std::string& message) const {
-    return entry<ort_api::CreateStatus>(OrtApiSlot::CreateStatus)(code, message.c_str());
+    return call<ort_api::CreateStatus>()(code, message.c_str());
   }
   // The status for whatever an entry point caught: the failure's own, else ORT_FAIL with `what`.
   OrtStatus* caught(const char* what) const {
@@ -57,7 +57,7 @@ class Api {
 
   int64_t int_attribute(const OrtKernelInfo* info, const char* name) const {
     int64_t value = 0;
-    check(entry<ort_api::KernelInfoGetAttribute_int64>(OrtApiSlot::KernelInfoGetAttribute_int64)(info, name, &value));
+    check(call<ort_api::KernelInfoGetAttribute_int64>()(info, name, &value));
     return value;
   }
 
@@ -70,40 +70,42 @@ class Api {
 
   Tensor tensor(const OrtValue* value) const {
     OrtTensorTypeAndShapeInfo* info = nullptr;
-    check(entry<ort_api::GetTensorTypeAndShape>(OrtApiSlot::GetTensorTypeAndShape)(value, &info));
+    check(call<ort_api::GetTensorTypeAndShape>()(value, &info));
     Tensor t{};
     size_t rank = 0;
-    OrtStatus* failed = entry<ort_api::GetTensorElementType>(OrtApiSlot::GetTensorElementType)(info, &t.type);
-    if (failed == nullptr) failed = entry<ort_api::GetDimensionsCount>(OrtApiSlot::GetDimensionsCount)(info, &rank);
+    OrtStatus* failed = call<ort_api::GetTensorElementType>()(info, &t.type);
+    if (failed == nullptr) failed = call<ort_api::GetDimensionsCount>()(info, &rank);
     if (failed == nullptr) {
       t.shape.resize(rank);
-      failed = entry<ort_api::GetDimensions>(OrtApiSlot::GetDimensions)(info, t.shape.data(), rank);
+      failed = call<ort_api::GetDimensions>()(info, t.shape.data(), rank);
     }
-    entry<ort_api::ReleaseTensorTypeAndShapeInfo>(OrtApiSlot::ReleaseTensorTypeAndShapeInfo)(info);
+    call<ort_api::ReleaseTensorTypeAndShapeInfo>()(info);
     check(failed);
     t.elements = 1;
     for (int64_t d : t.shape) t.elements *= d;
-    check(entry<ort_api::GetTensorMutableData>(OrtApiSlot::GetTensorMutableData)(const_cast<OrtValue*>(value), &t.data));
+    check(call<ort_api::GetTensorMutableData>()(const_cast<OrtValue*>(value), &t.data));
     return t;
   }
 
   Tensor input(const OrtKernelContext* context, size_t index) const {
     const OrtValue* value = nullptr;
-    check(entry<ort_api::KernelContext_GetInput>(OrtApiSlot::KernelContext_GetInput)(context, index, &value));
+    check(call<ort_api::KernelContext_GetInput>()(context, index, &value));
     if (value == nullptr) fail("BlockMatMul: input " + std::to_string(index) + " is missing");
     return tensor(value);
   }
 
-  Tensor output(OrtKernelContext* context, const std::vector<int64_t>& shape) const {
+  // Output 0 allocated with `shape`: its float32 data.
+  float* output(OrtKernelContext* context, const std::vector<int64_t>& shape) const {
     OrtValue* value = nullptr;
-    check(entry<ort_api::KernelContext_GetOutput>(OrtApiSlot::KernelContext_GetOutput)(context, 0, shape.data(),
-                                                                                       shape.size(), &value));
-    return tensor(value);
+    check(call<ort_api::KernelContext_GetOutput>()(context, 0, shape.data(), shape.size(), &value));
+    void* data = nullptr;
+    check(call<ort_api::GetTensorMutableData>()(value, &data));
+    return static_cast<float*>(data);
   }
 
-  template <typename F>
-  F entry(OrtApiSlot slot) const {
-    return ort_entry<F>(api_, slot);
+  template <typename E>
+  typename E::Fn call() const {
+    return ort_entry<E>(api_);
   }
 
  private:
@@ -133,12 +135,12 @@ struct BlockMatMulKernel {
     }
     std::vector<int64_t> out_shape(a.shape.begin(), a.shape.end() - 1);
     out_shape.push_back(n);
-    const Api::Tensor y = api.output(context, out_shape);
+    float* const y = api.output(context, out_shape);
     const int64_t rows = a.elements / k;
     if (rows <= kKernelMaxRows) {
       const BlockWeightView w{static_cast<const uint8_t*>(packed.data), static_cast<const float*>(scales.data),
                               static_cast<const float*>(minimums.data), n, k, bits};
-      block_matmul_into(static_cast<const float*>(a.data), rows, w, static_cast<float*>(y.data));
+      block_matmul_into(static_cast<const float*>(a.data), rows, w, y);
       return;
     }
     const auto floats = torch::dtype(torch::kFloat);
@@ -146,7 +148,7 @@ struct BlockMatMulKernel {
         torch::from_blob(packed.data, {n, k * bits / 8}, torch::dtype(torch::kUInt8)),
         torch::from_blob(scales.data, {n, k / kGroup}, floats), torch::from_blob(minimums.data, {n, k / kGroup}, floats),
         bits);
-    torch::Tensor out = torch::from_blob(y.data, {rows, n}, floats);
+    torch::Tensor out = torch::from_blob(y, {rows, n}, floats);
     torch::mm_out(out, torch::from_blob(a.data, {rows, k}, floats), weight.t());
   }
 };
@@ -208,9 +210,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   const Api api(ort);
   OrtCustomOpDomain* domain = nullptr;
   try {
-    api.check(api.entry<ort_api::CreateCustomOpDomain>(OrtApiSlot::CreateCustomOpDomain)("fleetserve", &domain));
-    api.check(api.entry<ort_api::CustomOpDomain_Add>(OrtApiSlot::CustomOpDomain_Add)(domain, &kBlockMatMul));
-    api.check(api.entry<ort_api::AddCustomOpDomain>(OrtApiSlot::AddCustomOpDomain)(options, domain));
+    api.check(api.call<ort_api::CreateCustomOpDomain>()("fleetserve", &domain));
+    api.check(api.call<ort_api::CustomOpDomain_Add>()(domain, &kBlockMatMul));
+    api.check(api.call<ort_api::AddCustomOpDomain>()(options, domain));
     return nullptr;
   } catch (...) {
     return api.caught("RegisterCustomOps");
