@@ -16,11 +16,15 @@
 // operations in the same order whatever M is, so a row of a multi-token forward equals the
 // one-token forward of that row bit for bit. Measured on a 2-core AVX2 EPYC, 2 threads, 4 bits:
 // a 576 x 1536 projection 60-95 us for one row (ONNX Runtime's float-activation MatMulNBits
-// 118-140 us), then ~37 us a further row. With AVX-512 a group is 16 lanes wide, 8 rows share a
-// widening of the codes and each load of x serves 2-4 outputs. On a 2-core AVX-512 EPYC, against
-// the AVX2 form built for the same machine, SmolLM2-135M's 4-bit projections and 8-bit head
-// (one forward's products) took 5.0-5.2 against 5.6 ms for one row (the head, 1.0 ms, reads
+// 118-140 us), then ~37 us a further row. With AVX-512 a group is 16 lanes wide, up to 12 rows
+// share a widening of the codes and each load of x serves 2-4 outputs. On a 2-core AVX-512 EPYC,
+// against the AVX2 form built for the same machine, SmolLM2-135M's 4-bit projections and 8-bit
+// head (one forward's products) took 5.0-5.2 against 5.6 ms for one row (the head, 1.0 ms, reads
 // 35 MB and moved little) and 14.1 against 16.2 ms for 6 rows, 23.8 against 31.4 ms for 13.
+// Tiles of 12 rows instead of 8 (a 9-row forward no longer widens every group twice): the body's
+// products 17.9-18.5 against 20.2-20.8 ms for 9 rows, 22.6-24.6 against 27.3-33.7 for 12, and
+// edged's onnx-int4 plans decoded at 196-202 against 184-189 tok/s (a token and up to 11 drafts
+// fit one tile). 16 rows a tile with one output a call lost: each x load then serves one FMA.
 
 #include "block_weight.h"
 #include "cpu_kernels.h"
@@ -36,7 +40,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 // rows of x sharing one widening of a group's codes: their accumulators fill the registers
 #if defined(__AVX512F__)
-constexpr int64_t kRowTile = 8;    // 32 registers: 8 rows x 2 outputs
+constexpr int64_t kRowTile = 12;   // 32 registers: 12 rows x 2 outputs, 4 weights, 2 of x
 #else
 constexpr int64_t kRowTile = 4;    // 16 registers: 4 rows x 2 FMA chains
 #endif
