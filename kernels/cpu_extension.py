@@ -22,8 +22,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_cpu.cpp", "kv_layout_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "block_matmul_cpu.cpp",
-           "block_layer_cpu.cpp", "bindings.cpp")
+SOURCES = ("paged_decode_cpu.cpp", "kv_layout_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "token_bitmask_cpu.cpp",
+           "block_matmul_cpu.cpp", "block_layer_cpu.cpp", "bindings.cpp")
 
 
 @functools.cache

@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scores"), py::arg("visible"), py::arg("scale"));
   m.def("sample_rows", &sample_rows, "one token per row: first largest (temperature 0) or drawn from softmax(x / temperature) (CPU)", py::arg("x"),
         py::arg("temperatures"), py::arg("uniforms"));
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "a grammar's token bitmask applied to logits rows in place: forbidden tokens become -inf (CPU)",
+        py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
   m.def("block_matmul", &block_matmul,
         "x @ W^T for a weight in blocks of 32 columns (scale * code + minimum), read in place, float activations (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"), py::arg("bits"));

@@ -28,6 +28,10 @@ torch::Tensor softmax_lse_(torch::Tensor scores, torch::Tensor visible, double s
 // softmax(x / temperature) (sample_cpu.cpp).
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperatures, torch::Tensor uniforms);
 
+// A grammar's token bitmask applied to logits rows in place: forbidden tokens become -inf
+// (token_bitmask_cpu.cpp).
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
+
 // x @ W^T for a weight quantized in blocks of 32 columns (scale * code + minimum, 4- or 8-bit
 // codes), float activations, read in place; and that weight dequantized to float32 [N, K]
 // (block_matmul_cpu.cpp).
