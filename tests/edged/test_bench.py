@@ -40,3 +40,26 @@ def test_bench_draws_progress_on_stderr_and_keeps_stdout_json(default_model_path
         m.setattr(sys, "stderr", quiet)
         assert main([*args, "--no-progress"]) == 0
     assert quiet.getvalue() == "" and json.loads(capsys.readouterr().out)["runs"]
+
+
+def test_the_next_plan_request_is_planned_untimed_first_and_kept_out_of_the_history(default_model_path, monkeypatch):
+    from edged import bench
+    from edged.generation import Batch1Generator
+    from shared.model.checkpoint import load_checkpoint
+
+    runs = []  # (prompt, constrained, the history's tokens) of every job the generator ran
+    real_run = Batch1Generator.run
+
+    def run(self, job, emit, *args, **kwargs):
+        runs.append((list(job.prompt_ids), job.spec is not None, list(self.history.tokens)))
+        return real_run(self, job, emit, *args, **kwargs)
+
+    monkeypatch.setattr(Batch1Generator, "run", run)
+    opts = bench.BenchOptions(model=default_model_path, backends=("torch",), quants=("none",), requests=1,
+                              decode_tokens=2, plan_tokens=8, trace=bundled_trace(), progress=False)
+    bench.run_bench(opts, log=None)
+    tok = load_checkpoint(default_model_path).tokenizer
+    timed, warm_up = bench.plan_requests(bundled_trace(), 2)
+    plans = [(prompt, history) for prompt, constrained, history in runs if constrained]
+    assert [prompt for prompt, _ in plans] == [tok.encode_chat(warm_up), tok.encode_chat(timed)]
+    assert plans[1][1] == []  # the first timed plan's history: no earlier timed plan, not the warm-up's
