@@ -47,7 +47,8 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Te
   TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.device().is_cpu(),
                     "rows: [k] int64 on the CPU");
   const int64_t vocab = logits.size(1);
-  const auto* row_ids = rows.contiguous().data_ptr<int64_t>();
+  const torch::Tensor row_list = rows.contiguous();  // held: its data outlives the loops
+  const auto* row_ids = row_list.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i) {
     const int64_t r = row_ids[i];
     TORCH_CHECK_VALUE(0 <= r && r < logits.size(0) && r < bitmask.size(0), "row ", r, " outside the logits or the bitmask");
