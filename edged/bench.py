@@ -118,8 +118,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
                                cuda_graph=graphs)
         gen = Batch1Generator(backend, tok, compiler, speculation=SpeculationConfig(enabled=spec))
         gen.run(_job(tok, prompts[0][:64], 4), _ignore)  # warm-up
-        if warm_up is not None:
-            _warm_up_plan(gen, tok, warm_up, plan_spec, opts.plan_tokens)
+        if warm_up is not None:  # untimed; the timed plans set the history themselves, without it
+            _plan(gen, tok, tok.encode_chat(warm_up), tok.encode_chat(warm_up[:1], add_generation_prompt=False),
+                  plan_spec, opts.plan_tokens)
         ttft: dict[str, list[float]] = {"cold": [], "pinned": [], "pinned_system": []}
         decode: list[float] = []
         plans: list[_Timed] = []
@@ -136,13 +137,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
                 ttft[variant].append(timed.ttft_s)
                 decode.append(timed.decode_tok_s)
                 progress.update(done)
-            gen.pinned.clear()
-            gen.pin("system", system)
-            plan = _job(tok, prompt, opts.plan_tokens, ignore_eos=False)
-            plan.spec = plan_spec
             gen.history = _history(earlier, gen.speculation)
-            plans.append(_timed(gen, plan))
-            earlier.append(plan.generated)
+            timed, plan = _plan(gen, tok, prompt, system, plan_spec, opts.plan_tokens)
+            plans.append(timed)
+            earlier.append(plan)
             progress.update(done)
         progress.close()
         med = statistics.median
@@ -186,15 +184,15 @@ def _timed(gen: Batch1Generator, job: LocalJob) -> _Timed:
     return _Timed(stamps[0] - start, stamps[-1] - start, len(stamps), decode, job.finish_reason is FinishReason.STOP)
 
 
-def _warm_up_plan(gen: Batch1Generator, tok, messages: list[dict], spec, plan_tokens: int) -> None:
-    """One untimed plan, with only its system prompt pinned as the timed ones; the timed requests
-    then set the history themselves, so this plan is not in it."""
+def _plan(gen: Batch1Generator, tok, prompt: list[int], system: list[int], spec,
+          plan_tokens: int) -> tuple[_Timed, list[int]]:
+    """A plan request as a robot sends it (the plan schema ``spec``, greedy, up to ``plan_tokens``)
+    with only its system prompt pinned: its timing and the plan's tokens."""
     gen.pinned.clear()
-    gen.pin("system", tok.encode_chat(messages[:1], add_generation_prompt=False))
-    plan = _job(tok, tok.encode_chat(messages), plan_tokens, ignore_eos=False)
+    gen.pin("system", system)
+    plan = _job(tok, prompt, plan_tokens, ignore_eos=False)
     plan.spec = spec
-    gen.held = []
-    gen.run(plan, _ignore)
+    return _timed(gen, plan), plan.generated
 
 
 def _history(outputs: list[list[int]], config: SpeculationConfig) -> NgramIndex:

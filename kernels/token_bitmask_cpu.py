@@ -35,12 +35,12 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: S
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """``apply_token_bitmask_cpu`` in plain torch."""
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(f"logits [batch, vocab] and bitmask [capacity, >= vocab / 32], got "
+                         f"{list(logits.shape)} and {list(bitmask.shape)}")
     index = torch.tensor(list(rows), dtype=torch.int64)
     if len(index) == 0:
         return
     vocab = logits.shape[1]
-    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"logits [batch, vocab] and bitmask [capacity, >= vocab / 32], got "
-                         f"{list(logits.shape)} and {list(bitmask.shape)}")
     allowed = ((bitmask[index, :, None] >> _BITS) & 1).reshape(len(index), -1)[:, :vocab].bool()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
