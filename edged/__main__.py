@@ -11,11 +11,13 @@ set_openmp_wait_defaults(SHARED_CPU_SPIN_COUNT)  # NOTE: before torch loads
 keep_freed_memory_in_process()
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from edged.backends.base import BACKENDS, QUANTS  # noqa: E402
+from kernels.block_matmul_cpu import PRODUCTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 
 GRAPH_VARIANTS = ("on", "off")
@@ -53,7 +55,7 @@ def cmd_export(args) -> int:
     from edged.export import export_onnx
 
     for quant in args.quant:
-        out = export_onnx(_model_path(args.model), quant, target=args.target, log=print)
+        out = export_onnx(_model_path(args.model), quant, target=args.target, log=print, products=args.products)
         print(f"{quant}: {out}")
     return 0
 
@@ -67,7 +69,8 @@ def cmd_bench(args) -> int:
                         threads=args.threads, requests=args.requests, decode_tokens=args.decode_tokens,
                         plan_tokens=args.plan_tokens, trace=args.trace, progress=not args.no_progress,
                         device=args.device, cuda_graphs=tuple(v == "on" for v in args.cuda_graphs),
-                        speculation=tuple(v == "on" for v in args.speculation), baseline=args.baseline)
+                        speculation=tuple(v == "on" for v in args.speculation), baseline=args.baseline,
+                        products=args.products)
     if opts.baseline is not None:
         try:
             check_baseline(opts)
@@ -92,10 +95,12 @@ def cmd_plan_eval(args) -> int:
 
 
 def cmd_quality(args) -> int:
+    from edged.backends.factory import make_backend
     from edged.quality import format_table, quality_report
 
     specs = [(kind, quant) for kind in args.backend for quant in args.quant]
-    rows = quality_report(_model_path(args.model), specs)
+    rows = quality_report(_model_path(args.model), specs, make_backend=functools.partial(make_backend,
+                                                                                        products=args.products))
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
     e.add_argument("--quant", type=comma_list(QUANTS), default=("int4",))
     e.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
+    e.add_argument("--products", choices=PRODUCTS, default="auto", help="the int4 CPU graph's block products")
     e.set_defaults(func=cmd_export)
     b = sub.add_parser("bench", help="batch-1 TTFT (cold, pinned) and decode tok/s, every combination")
     b.add_argument("--model", type=Path)
@@ -124,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--baseline", choices=["llamacpp"], default=None,
                    help="also run llama.cpp (../shared/peers/llamacpp) on the same GGUF and requests")
     b.add_argument("--trace", type=Path, default=Path("../shared/workloads/fleet-256.jsonl"))
+    b.add_argument("--products", type=comma_list(PRODUCTS), default=("auto",),
+                   help="the onnx int4 graph's block products (a run each): auto, float32, bfloat16")
     b.add_argument("--json", action="store_true")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -146,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--model", type=Path)
     q.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))
     q.add_argument("--quant", type=comma_list(QUANTS), default=("none", "int8", "int4", "int4-a8"))
+    q.add_argument("--products", choices=PRODUCTS, default="auto", help="the onnx int4 graph's block products")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_quality)
     args = p.parse_args(argv)

@@ -2,7 +2,8 @@
 to a complete plan for every backend x quantization (x speculation on/off), in one process, on
 plan requests from a fleet trace; optionally beside llama.cpp on the same GGUF.
 
-For each run (``"<backend>-<quant>"``, ``"-plain"`` appended without speculation) and request:
+For each run (``"<backend>-<quant>"``, ``"-plain"`` appended without speculation, ``"-float32"``
+or ``"-bfloat16"`` for the int4 ONNX graph's block products when they are not ``auto``) and request:
 
 - **cold**: nothing reusable in the buffer and no pinned prompt: the whole prompt is prefilled;
 - **pinned**: the robot's standing prefix is pinned -- its system prompt and its scene message,
@@ -72,6 +73,7 @@ class BenchOptions:
     device: str = "cpu"  # "cuda": the torch backend on the Triton kernels, the ONNX graph on ORT's GPU providers
     cuda_graphs: tuple[bool, ...] = (True,)  # torch on cuda: with and/or without its decode graph ("-eager")
     speculation: tuple[bool, ...] = (True,)  # with and/or without speculative decoding ("-plain")
+    products: tuple[str, ...] = ("auto",)  # the onnx int4 graph's block products (edged.export), a run each
     baseline: str | None = None  # "llamacpp": llama-server and llama-bench on the same GGUF
 
 
@@ -109,13 +111,15 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
     systems = [tok.encode_chat(messages[:1], add_generation_prompt=False) for messages in requests]
     standing = [tok.encode_chat(messages[:2], add_generation_prompt=False) for messages in requests]
     runs: dict[str, dict] = {}
-    variants = [(kind, quant, graphs, spec) for kind in opts.backends for quant in opts.quants
+    variants = [(kind, quant, graphs, spec, products) for kind in opts.backends for quant in opts.quants
                 for graphs in (opts.cuda_graphs if kind == "torch" and opts.device == "cuda" else (True,))
-                for spec in opts.speculation]
-    for kind, quant, graphs, spec in variants:
-        name = f"{kind}-{quant}" + ("" if graphs else "-eager") + ("" if spec else "-plain")
+                for spec in opts.speculation
+                for products in (opts.products if (kind, quant) == ("onnx", "int4") else ("auto",))]
+    for kind, quant, graphs, spec, products in variants:
+        name = (f"{kind}-{quant}" + ("" if graphs else "-eager") + ("" if spec else "-plain")
+                + ("" if products == "auto" else f"-{products}"))
         backend = make_backend(kind, quant, checkpoint, opts.model, opts.max_len, opts.threads, opts.device,
-                               cuda_graph=graphs)
+                               cuda_graph=graphs, products=products)
         gen = Batch1Generator(backend, tok, compiler, speculation=SpeculationConfig(enabled=spec))
         gen.run(_job(tok, prompts[0][:64], 4), _ignore)  # warm-up
         if warm_up is not None:  # untimed; the timed plans set the history themselves, without it
@@ -152,7 +156,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
                        "ttft_s": med(p.ttft_s for p in plans), "plan_s": med(p.total_s for p in plans),
                        "plan_decode_tok_s": med(p.decode_tok_s for p in plans),
                        "plan_tokens": med(p.tokens for p in plans),
-                       "complete_plan_rate": sum(p.complete for p in plans) / len(plans), "speculation": spec}
+                       "complete_plan_rate": sum(p.complete for p in plans) / len(plans), "speculation": spec,
+                       "products": backend.products}
         if spec:
             runs[name]["acceptance_rate"] = gen.accepted_drafts / max(gen.drafted_tokens, 1)
         if log:

@@ -43,12 +43,13 @@ _PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # fused nodes; othe
 _BLOCK_SECTION = {"attn": "self_attn", "mlp": "mlp"}
 
 
-def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path, block_ops: bool = False) -> int:
+def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path, block_ops: bool = False, bf16_products: bool = False) -> int:
     """Rewrite ``onnx_dir/model.onnx`` (and its external data) with the GGUF's blocks; returns
     how many of its MatMulNBits nodes now hold them. With ``block_ops`` those nodes become
     ``fleetserve.BlockMatMul`` (``kernels.ort_ops``: the blocks with their minimums, no offset
     term), reading the same packed codes and scales as the token lookups that share them; the
-    session must then load that library (a node with a bias keeps MatMulNBits)."""
+    session must then load that library (a node with a bias keeps MatMulNBits). ``bf16_products``
+    sets their attribute of that name (the kernel's products in bfloat16)."""
     config, blocks = gguf_block_weights(gguf_path)
     model = onnx.load(str(onnx_dir / "model.onnx"))  # with its external data
     initializers = {i.name: i for i in model.graph.initializer}
@@ -70,7 +71,7 @@ def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path, block_ops: bool = False) 
         _follow_lookups(model, node.input[1], weight, zero)
         carried += 1
         if block_ops and scales.data_type == onnx.TensorProto.FLOAT and not any(node.input[4:]):  # no bias
-            nodes.append(_block_matmul(model, node, weight))
+            nodes.append(_block_matmul(model, node, weight, bf16_products))
             continue
         nodes.append(node)
         next(a for a in node.attribute if a.name == "bits").i = weight.bits
@@ -89,7 +90,8 @@ def carry_gguf_blocks(onnx_dir: Path, gguf_path: Path, block_ops: bool = False) 
     return carried
 
 
-def _block_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: BlockWeight) -> onnx.NodeProto:
+def _block_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: BlockWeight,
+                  bf16_products: bool) -> onnx.NodeProto:
     """``node`` (a MatMulNBits whose packed codes and scales now hold ``weight``) as a
     ``fleetserve.BlockMatMul`` over them and a new initializer of the blocks' minimums."""
     minimums = numpy_helper.from_array(weight.minimums(), f"{node.input[1]}_minimums")
@@ -98,7 +100,8 @@ def _block_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: BlockWei
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     n, k = weight.codes.shape
     return onnx.helper.make_node(BLOCK_MATMUL, [node.input[0], node.input[1], node.input[2], minimums.name],
-                                 list(node.output), name=node.name, domain=DOMAIN, K=k, N=n, bits=weight.bits)
+                                 list(node.output), name=node.name, domain=DOMAIN, K=k, N=n, bits=weight.bits,
+                                 bf16_products=int(bf16_products))
 
 
 def _carried_weight(node: onnx.NodeProto, config: ModelConfig, blocks: dict[str, BlockWeight]) -> BlockWeight | None:

@@ -10,6 +10,7 @@ from edged.backends.base import BACKENDS, QUANTS
 from edged.escalation import EscalationConfig
 from edged.server import EdgeServeConfig
 from edged.speculation import SpeculationConfig
+from kernels.block_matmul_cpu import PRODUCTS
 from shared.config import build_dataclass
 
 
@@ -25,12 +26,17 @@ class BackendConfig:
     threads: int = 2  # intra-op threads (use 1 when other processes share the cores)
     device: str = "cpu"  # "cpu" | "cuda"
     model: str = ""  # GGUF file or HF folder; empty = the embedded default model
+    # the int4 ONNX graph's block products: "auto" (bfloat16 where the CPU has AVX-512 BF16, as
+    # cloudd's dtype auto; else float32) | "float32" (the GGUF's weights to float rounding) | "bfloat16"
+    products: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in BACKENDS:
             raise ValueError(f"kind must be one of {', '.join(BACKENDS)}, got {self.kind!r}")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.products not in PRODUCTS:
+            raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {self.products!r}")
         if self.max_len < 16 or self.threads < 1 or self.device not in ("cpu", "cuda"):
             raise ValueError("max_len >= 16, threads >= 1, device cpu or cuda")
 

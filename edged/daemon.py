@@ -26,7 +26,10 @@ def build_server(config: EdgeConfig) -> EdgeServer:
     b = config.backend
     model_path = Path(b.model).expanduser() if b.model else ensure_default_model()
     checkpoint = load_checkpoint(model_path)
-    backend = make_backend(b.kind, b.quant, checkpoint, model_path, b.max_len, b.threads, b.device)
+    backend = make_backend(b.kind, b.quant, checkpoint, model_path, b.max_len, b.threads, b.device,
+                           products=b.products)
+    if backend.products is not None:
+        log.info("%s %s: block products in %s (configured %s)", b.kind, b.quant, backend.products, b.products)
     compiler = GrammarCompiler(checkpoint.tokenizer, backend.vocab_size)
     compiler.precompile([grammar_spec(fleet_plan_format())])
     generator = Batch1Generator(backend, checkpoint.tokenizer, compiler, pinned_dir=config.serve.pinned_dir,

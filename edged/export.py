@@ -6,8 +6,10 @@ weights), cached beside the model. An int4 CPU export of a GGUF holds the file's
 
 Cache layout, for a model at ``<dir>/<name>`` (a ``.gguf`` file or a HF folder)::
 
-    <dir>/<name>.onnx/<quant>-<target>/model.onnx        (+ model.onnx.data, genai_config.json)
-                                       manifest.json     (written last; its key says what it was built from)
+    <dir>/<name>.onnx/<quant>-<target>[-bf16]/model.onnx        (+ model.onnx.data, genai_config.json)
+                                              manifest.json     (written last; its key says what it was built from)
+
+(``-bf16``: BlockMatMul's products in bfloat16, beside the float32 export of the same graph.)
 
 A directory whose manifest key matches (model content hash, builder version, quant, target, and
 the versions of those edits) is
@@ -29,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kernels.block_matmul_cpu import PRODUCTS, resolve_products
+
 QUANTS = ("none", "int8", "int4", "int4-a8")  # int4-a8: int4 weights, int8 activations (CPU only)
 TARGETS = ("cpu", "cuda")
 # quant -> the builder's --precision. NOTE: "none" stays fp32 on cuda too, so it matches torch fp32.
@@ -43,7 +47,7 @@ MANIFEST_VERSION = 1
 GGUF_BLOCKS_VERSION = 2
 # Its float-activation int4 nodes run fleetserve's own ONNX Runtime op (kernels.ort_ops) where that
 # library builds; bump when the op's inputs change.
-BLOCK_OPS_VERSION = 1
+BLOCK_OPS_VERSION = 2  # 2: the bf16_products attribute
 # edged.graph_edits (logits rows per call, activation precision); bump when they change.
 GRAPH_EDITS_VERSION = 3
 INSTALL_HINT = "pip install 'fleetserve[onnx]'"
@@ -54,19 +58,23 @@ class ExportError(RuntimeError):
 
 
 def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | str | None = None,
-                target: str = "cpu", log=None) -> Path:
+                target: str = "cpu", log=None, products: str = "auto") -> Path:
     """The directory holding ``model.onnx`` for ``model_path`` at ``quant`` for ``target``.
 
     Reuses a matching cached export; otherwise builds one (20-60 s for a 135M model).
     ``cache_root`` None puts the cache beside the model, else under ``cache_root/<name>.onnx``.
-    ``log`` (a callable taking one str) hears about progress; None is silent.
-    Raises ValueError for a bad quant/target, FileNotFoundError for a missing model, ExportError
+    ``log`` (a callable taking one str) hears about progress; None is silent. ``products``
+    (``kernels.block_matmul_cpu.PRODUCTS``) is the precision of BlockMatMul's products where the
+    graph has that op (``auto``: bfloat16 where the CPU has AVX-512 BF16); each is cached apart.
+    Raises ValueError for a bad quant/target/products, FileNotFoundError for a missing model, ExportError
     when onnxruntime-genai (or transformers, which its builder needs) is missing or the builder fails.
     """
     if quant not in QUANTS:
         raise ValueError(f"quant={quant!r}: must be one of {QUANTS}")
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: must be one of {TARGETS}")
+    if products not in PRODUCTS:
+        raise ValueError(f"products={products!r}: must be one of {PRODUCTS}")
     if quant == "int4-a8" and target != "cpu":
         raise ValueError("quant int4-a8 (int8 activations) is ONNX Runtime's CPU kernel: use int4 on cuda")
     model_path = Path(model_path).expanduser().resolve()
@@ -74,12 +82,16 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
         raise FileNotFoundError(f"no model at {model_path}")
     say = log or (lambda _msg: None)
     version = builder_version()
-    out = cache_dir_for(model_path, quant, target, cache_root)
+    block_ops = _runs_block_ops(model_path, quant, target)
+    if block_ops:
+        products = resolve_products(products)
+    out = cache_dir_for(model_path, quant, target, cache_root, bf16_products=block_ops and products == "bfloat16")
     key = {"manifest_version": MANIFEST_VERSION, "model_sha256": model_hash(model_path),
            "builder": f"onnxruntime-genai {version}", "quant": quant, "target": target,
            "builder_options": BUILDER_OPTIONS,
            "gguf_blocks": GGUF_BLOCKS_VERSION if _carries_blocks(model_path, quant, target) else None,
-           "block_ops": BLOCK_OPS_VERSION if _runs_block_ops(model_path, quant, target) else None,
+           "block_ops": BLOCK_OPS_VERSION if block_ops else None,
+           "products": products if block_ops else None,
            "graph_edits": GRAPH_EDITS_VERSION}
     if read_manifest(out).get("key") == key:
         return out
@@ -92,8 +104,8 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
         if key["gguf_blocks"] is not None:
             from edged.carry_blocks import carry_gguf_blocks
 
-            carried = carry_gguf_blocks(build, model_path, block_ops=key["block_ops"] is not None)
-            kernel = "fleetserve.BlockMatMul" if key["block_ops"] is not None else "ONNX Runtime's MatMulNBits"
+            carried = carry_gguf_blocks(build, model_path, block_ops=block_ops, bf16_products=products == "bfloat16")
+            kernel = f"fleetserve.BlockMatMul ({products} products)" if block_ops else "ONNX Runtime's MatMulNBits"
             say(f"carried the GGUF's own blocks into {carried} nodes, multiplied by {kernel}")
         if quant.startswith("int4") and target == "cpu":
             from edged.graph_edits import set_activation_precision
@@ -129,10 +141,11 @@ def builder_version() -> str:
     return importlib.metadata.version("onnxruntime-genai")
 
 
-def cache_dir_for(model_path: Path, quant: str, target: str, cache_root: Path | str | None = None) -> Path:
+def cache_dir_for(model_path: Path, quant: str, target: str, cache_root: Path | str | None = None,
+                  bf16_products: bool = False) -> Path:
     """Where the export of ``model_path`` at ``quant``/``target`` lives (whether built or not)."""
     base = model_path.parent if cache_root is None else Path(cache_root).expanduser()
-    return base / f"{model_path.name}.onnx" / f"{quant}-{target}"
+    return base / f"{model_path.name}.onnx" / (f"{quant}-{target}" + ("-bf16" if bf16_products else ""))
 
 
 def model_hash(model_path: Path) -> str:

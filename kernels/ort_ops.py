@@ -10,10 +10,12 @@ with the kernel edged's torch backend runs:
     inputs   A [..., K] float32; B uint8, MatMulNBits' packed blocks ([N, K / 32, 32 * bits / 8]:
              4-bit codes in consecutive pairs, low nibble first; 8-bit codes one per byte);
              scales and minimums float32, N * K / 32 each (row-major [N, K / 32])
-    attrs    K, N, bits (4 or 8)
+    attrs    K, N, bits (4 or 8), bf16_products (0 or 1: the block kernel's products in
+             bfloat16, ``kernels.block_matmul_cpu``; 1 fails the session on a CPU without
+             AVX-512 BF16)
     output   Y [..., N] float32 = A @ W^T; up to 32 rows (a decode token and its drafts) by the
              block kernel, a row's result the same bit for bit whatever rows come with it; more
-             (a prefill chunk) by the weight dequantized once and torch's GEMM
+             (a prefill chunk) by the weight dequantized once and torch's float32 GEMM
 
 Inputs that do not match (types, element counts, A's last dimension) fail the run with an
 error naming them; nothing crashes. The ops live in a plain shared library (no Python module)

@@ -40,6 +40,9 @@ class Batch1Backend(Protocol):
     # float rounding). False where activations are quantized per forward path (ONNX int8, int4-a8):
     # the generator then never sends one token alone after position 0.
     row_exact: bool
+    # The precision of the int4 block kernel's products ("float32" | "bfloat16",
+    # kernels.block_matmul_cpu); None where the forward has no block products.
+    products: str | None
 
     def forward(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         """Logits ``[vocab]`` float32 (CPU) of the last of ``token_ids`` placed at ``start``.

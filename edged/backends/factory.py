@@ -11,12 +11,14 @@ from shared.model.checkpoint import Checkpoint
 
 
 def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path, max_len: int,
-                 threads: int = 2, device: str = "cpu", cuda_graph: bool = True) -> Batch1Backend:
+                 threads: int = 2, device: str = "cpu", cuda_graph: bool = True,
+                 products: str = "auto") -> Batch1Backend:
     """``onnx``: the model exported (once, cached beside it) and run by ONNX Runtime, on the
     CUDA or TensorRT provider when ``device`` is cuda and they are installed. ``torch``: the
     engine's model over a dense buffer, on a GPU with the Triton kernels and (``cuda_graph``)
     its decode step replayed as a CUDA graph; int4 from a GGUF takes its quantized blocks as
-    they are."""
+    they are. ``products``: the precision of the int4 CPU graph's block products
+    (``edged.export.export_onnx``); the torch backend's CPU products stay float32."""
     from edged.export import model_hash
 
     if kind == "onnx":
@@ -24,7 +26,7 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
         from edged.export import export_onnx
 
         target = "cuda" if device == "cuda" else "cpu"
-        return OnnxBackend(export_onnx(model_path, quant, target=target), max_len=max_len, threads=threads,
+        return OnnxBackend(export_onnx(model_path, quant, target=target, products=products), max_len=max_len, threads=threads,
                            providers=pick_providers(target))
     if kind == "torch":
         from edged.backends.torch_backend import TorchBackend

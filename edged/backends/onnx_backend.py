@@ -59,6 +59,7 @@ class OnnxBackend:
         # one-token and multi-token paths into up to ~1 logit; multi-token forwards agree with
         # each other bit for bit, whatever the rows' positions.
         self.row_exact = self.quant in ("none", "int4")
+        self.products: str | None = key.get("products")  # BlockMatMul's (edged.export)
         self.num_layers: int = decoder["num_hidden_layers"]
         self.kv_heads: int = decoder["num_key_value_heads"]
         self.head_dim: int = decoder["head_size"]

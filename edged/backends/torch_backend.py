@@ -72,6 +72,8 @@ class TorchBackend:
             self.model.layer_functions = TRITON_LAYERS
         elif quant == "int4" and self.device.type == "cpu" and cpu_kernels() is not None:
             self.model.layer_functions = BLOCK_LAYERS_CPU
+        # NOTE: the layer kernels keep float32 products (the ONNX graph's may be bf16, edged.export)
+        self.products: str | None = "float32" if self.model.layer_functions is BLOCK_LAYERS_CPU else None
         self._programs = launch_programs(self.device)  # the Triton decode launch's target
         self._graph: _DecodeGraph | None = None
         if self.triton and self.device.type == "cuda" and cuda_graph:

@@ -1,4 +1,5 @@
 // Python bindings of the CPU kernels: one extension module, built once (kernels/cpu_extension.py).
+#include "block_weight.h"
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,7 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
   m.def("block_matmul", &block_matmul,
         "x @ W^T for a weight in blocks of 32 columns (scale * code + minimum), read in place, float activations (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"), py::arg("bits"));
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("minimums"), py::arg("bits"),
+        py::arg("bf16_products") = false);
+  m.def("block_products_bf16_built", &bf16_products_built,
+        "whether block_matmul has bfloat16 products here (a CPU with AVX-512 BF16)");
   m.def("block_dequantize", &block_dequantize, "a weight in blocks of 32 columns dequantized to float32 (CPU)",
         py::arg("packed"), py::arg("scales"), py::arg("minimums"), py::arg("bits"));
   m.def("block_attention_inputs", &block_attention_inputs,

@@ -20,6 +20,16 @@ struct BlockWeightView {
 BlockWeightView block_weight_view(const torch::Tensor& packed, const torch::Tensor& scales,
                                   const torch::Tensor& minimums, int64_t bits);
 
+// The precision of the products: float32, or x and the widened weights rounded to bfloat16 and
+// multiplied into float32 sums (VDPBF16PS, a CPU with AVX-512 BF16; about twice the products a
+// cycle of float FMAs).
+enum class Products { kFloat32, kBFloat16 };
+
+// Whether this build has the bfloat16 products (compiled for a CPU with AVX-512 BF16).
+bool bf16_products_built();
+
 // y [rows, w.n] = x [rows, w.k] @ W^T (x and y float32, contiguous). A row's result is the same
-// bit for bit whatever `rows` is.
-void block_matmul_into(const float* x, int64_t rows, const BlockWeightView& w, float* y);
+// bit for bit whatever `rows` is. ValueError (TORCH_CHECK_VALUE) for bf16 products where
+// bf16_products_built() is false.
+void block_matmul_into(const float* x, int64_t rows, const BlockWeightView& w, float* y,
+                       Products products = Products::kFloat32);

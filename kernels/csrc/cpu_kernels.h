@@ -36,7 +36,7 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Te
 // codes), float activations, read in place; and that weight dequantized to float32 [N, K]
 // (block_matmul_cpu.cpp).
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums,
-                           int64_t bits);
+                           int64_t bits, bool bf16_products);
 torch::Tensor block_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums, int64_t bits);
 
 // A block weight as Python passes it: (packed, scales, minimums, bits), as block_matmul takes them.

@@ -4,7 +4,8 @@
 //
 // Up to kKernelMaxRows rows (a decode token and its drafts) run the block kernel, a row's result
 // the same whatever rows come with it; more rows (a prefill chunk) dequantize the weight once and
-// multiply by torch's GEMM, which wins there (as edged's torch backend does).
+// multiply by torch's GEMM, which wins there (as edged's torch backend does). The attribute
+// bf16_products picks the block kernel's precision (block_weight.h's Products).
 //
 // Errors (bad attributes when a session is created, inputs that do not match when it runs)
 // return an ORT status naming the input: the caller's run fails, the process goes on.
@@ -115,6 +116,7 @@ class Api {
 struct BlockMatMulKernel {
   Api api;
   int64_t k, n, bits;
+  Products products;
 
   // Y = A @ W^T over inputs (A, B, scales, minimums); throws OrtFailure on inputs that do not match.
   void compute(OrtKernelContext* context) const {
@@ -140,7 +142,7 @@ struct BlockMatMulKernel {
     if (rows <= kKernelMaxRows) {
       const BlockWeightView w{static_cast<const uint8_t*>(packed.data), static_cast<const float*>(scales.data),
                               static_cast<const float*>(minimums.data), n, k, bits};
-      block_matmul_into(static_cast<const float*>(a.data), rows, w, y);
+      block_matmul_into(static_cast<const float*>(a.data), rows, w, y, products);
       return;
     }
     const auto floats = torch::dtype(torch::kFloat);
@@ -163,7 +165,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* ort, const OrtKernelI
       api.fail("BlockMatMul: K must be a positive multiple of 32 and N positive, both at most 2^31, got K=" +
                std::to_string(k) + ", N=" + std::to_string(n));
     }
-    *kernel = new BlockMatMulKernel{api, k, n, bits};
+    const int64_t bf16 = api.int_attribute(info, "bf16_products");
+    if (bf16 != 0 && bf16 != 1) api.fail("BlockMatMul: bf16_products must be 0 or 1, got " + std::to_string(bf16));
+    if (bf16 == 1 && !bf16_products_built()) {
+      api.fail("BlockMatMul: bf16_products=1 needs a CPU with AVX-512 BF16; export the graph again on this machine");
+    }
+    *kernel = new BlockMatMulKernel{api, k, n, bits, bf16 == 1 ? Products::kBFloat16 : Products::kFloat32};
     return nullptr;
   } catch (...) {
     return api.caught("BlockMatMul");

@@ -10,6 +10,7 @@ import pytest
 
 from cloudd.trace import bundled_trace
 from edged.__main__ import main
+from kernels.block_matmul_cpu import resolve_products
 from shared import progress
 
 
@@ -31,6 +32,7 @@ def test_bench_draws_progress_on_stderr_and_keeps_stdout_json(default_model_path
     run = report["runs"]["onnx-int4"]
     assert run["requests"] == 1 and run["speculation"] and 0 <= run["acceptance_rate"] <= 1
     assert run["plan_tokens"] >= 1 and run["plan_s"] >= run["ttft_s"] > 0
+    assert run["products"] == resolve_products("auto")  # the GGUF's blocks in BlockMatMul
     # cold, pinned system, pinned, plan: four timed requests; the line is erased before the report
     assert "\r\033[Konnx-int4 [####################] 4/4 req" in term.getvalue()
     assert term.getvalue().endswith("\r\033[K")
@@ -40,6 +42,9 @@ def test_bench_draws_progress_on_stderr_and_keeps_stdout_json(default_model_path
         m.setattr(sys, "stderr", quiet)
         assert main([*args, "--no-progress"]) == 0
     assert quiet.getvalue() == "" and json.loads(capsys.readouterr().out)["runs"]
+
+    assert main([*args, "--no-progress", "--products", "float32"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["onnx-int4-float32"]["products"] == "float32"
 
 
 def test_the_next_plan_request_is_planned_untimed_first_and_kept_out_of_the_history(default_model_path, monkeypatch):

@@ -47,6 +47,8 @@ def test_bad_arguments_raise(tmp_path):
         export_onnx(tmp_path, "fp8")
     with pytest.raises(ValueError, match="target"):
         export_onnx(tmp_path, "int4", target="tpu")
+    with pytest.raises(ValueError, match="products="):
+        export_onnx(tmp_path, "int4", products="int8")
     with pytest.raises(FileNotFoundError):
         export_onnx(tmp_path / "missing.gguf", "int4")
 
@@ -63,6 +65,7 @@ def test_cache_sits_beside_the_model_or_under_the_root(tmp_path):
     model = tmp_path / "m.gguf"
     assert cache_dir_for(model, "int4", "cpu") == tmp_path / "m.gguf.onnx" / "int4-cpu"
     assert cache_dir_for(model, "int8", "cuda", tmp_path / "c") == tmp_path / "c" / "m.gguf.onnx" / "int8-cuda"
+    assert cache_dir_for(model, "int4", "cpu", bf16_products=True) == tmp_path / "m.gguf.onnx" / "int4-cpu-bf16"
 
 
 def _fake_build(calls):

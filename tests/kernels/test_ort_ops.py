@@ -10,8 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torch
+
 from edged.gguf_blocks import BLOCK, block_weight
+from kernels.block_matmul_cpu import bf16_products_built, block_matmul_cpu
 from kernels.ort_ops import BLOCK_MATMUL, DOMAIN, ort_ops_library
+from kernels.triton_int4_matmul import Int4Weight
 
 ort = pytest.importorskip("onnxruntime", reason="needs the onnx extra: pip install 'fleetserve[onnx]'")
 onnx = pytest.importorskip("onnx")
@@ -26,7 +30,7 @@ def block_matmul_model(n: int, k: int, bits: int, initializers: dict[str, np.nda
     from onnx import TensorProto, helper, numpy_helper
 
     initializers = initializers or {}
-    attributes = {"K": k, "N": n, "bits": bits} | (overrides or {})
+    attributes = {"K": k, "N": n, "bits": bits, "bf16_products": 0} | (overrides or {})
     node = helper.make_node(BLOCK_MATMUL, ["A", "B", "scales", "minimums"], ["Y"], domain=DOMAIN, **attributes)
     kinds = {"A": TensorProto.FLOAT, "B": TensorProto.UINT8, "scales": TensorProto.FLOAT, "minimums": TensorProto.FLOAT}
     inputs = [helper.make_tensor_value_info(name, kind, None) for name, kind in kinds.items() if name not in initializers]
@@ -63,6 +67,19 @@ def test_block_matmul_is_the_gguf_weights_product(kind, rows, outputs, groups, s
             assert np.array_equal(run.run(None, {"A": x[:, r:r + 1]})[0][0, 0], y[0, r])
 
 
+@pytest.mark.skipif(not bf16_products_built(), reason="bf16 products need a CPU with AVX-512 BF16")
+def test_bf16_products_attribute_runs_the_kernels_bf16_products():
+    rng = np.random.default_rng(0)
+    n, k = 24, 96
+    weight = Int4Weight.quantize(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+    run = session(block_matmul_model(n, k, 4, {"B": weight.packed.numpy(), "scales": weight.scales.numpy(),
+                                               "minimums": weight.minimums.numpy()}, {"bf16_products": 1}))
+    x = rng.standard_normal((1, 5, k)).astype(np.float32)
+    y = run.run(None, {"A": x})[0][0]
+    assert np.array_equal(y, block_matmul_cpu(torch.from_numpy(x[0]), weight, bf16_products=True).numpy())
+    assert not np.array_equal(y, block_matmul_cpu(torch.from_numpy(x[0]), weight).numpy())
+
+
 def test_inputs_that_do_not_match_fail_the_run_and_name_themselves():
     n, k = 8, 64
     run = session(block_matmul_model(n, k, 4))
@@ -82,7 +99,8 @@ def test_inputs_that_do_not_match_fail_the_run_and_name_themselves():
 
 @pytest.mark.parametrize(("attributes", "message"), [({"bits": 3}, "bits must be 4 or 8, got 3"),
                                                      ({"K": 48}, "K must be a positive multiple of 32"),
-                                                     ({"N": 1 << 32}, "both at most 2\\^31")])
+                                                     ({"N": 1 << 32}, "both at most 2\\^31"),
+                                                     ({"bf16_products": 2}, "bf16_products must be 0 or 1")])
 def test_bad_attributes_fail_the_session_with_a_reason(attributes, message):
     with pytest.raises(Exception, match=message):
         session(block_matmul_model(8, 64, 4, overrides=attributes))
