@@ -512,7 +512,8 @@ class EdgeServer:
         c = self.counters
         return {
             "daemon": "edged", "model": self.model_name, "robot_id": self.config.robot_id,
-            "backend": g.backend.name, "quant": g.backend.quant, "max_len": g.backend.max_len,
+            "backend": g.backend.name, "quant": g.backend.quant, "products": g.backend.products,
+            "max_len": g.backend.max_len,
             "draining": self._draining, "live": len(self.live), "local_queue": self.worker.depth,
             "requests": c.requests, "answered_local": c.answered_local, "answered_cloud": c.answered_cloud,
             "fallbacks": c.fallbacks, "rejected": c.rejected, "escalations": dict(c.escalations),

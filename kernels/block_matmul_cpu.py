@@ -10,8 +10,8 @@ once, for a prefill's plain GEMM.
 **Products.** In float32, or in bfloat16 where the CPU has AVX-512 BF16: x and the widened
 weights rounded to bf16 (to nearest even) and multiplied into float32 sums by VDPBF16PS, 32
 products an instruction where float FMAs take 16. On a 2-core AVX-512 BF16 EPYC, SmolLM2-135M's
-products for 12 rows took 17-18 against 28-29 ms (one row: the same, ~6.5 ms, bound by reading
-the weights). ``resolve_products("auto")`` picks bfloat16 where this build has it, as cloudd's
+products (a forward's) took 17.5-18 against 24-27 ms for 12 rows and 6.0-6.5 against 6.5-7.0
+ms for one (a 4-bit group's bf16 weights looked up from the 16 values its codes stand for). ``resolve_products("auto")`` picks bfloat16 where this build has it, as cloudd's
 dtype ``auto`` does; the rounding is that of a bf16 model (``edged quality`` in the README).
 
 Where the extension cannot be built, both take the weight's ``dequantize`` (the same values,

@@ -65,5 +65,5 @@ class Batch1Backend(Protocol):
         ...
 
     def identity(self) -> str:
-        """What the KV depends on (model file, backend, quantization, dtype), for cache keys."""
+        """What the KV depends on (model file, backend, quantization, products, dtype), for cache keys."""
         ...

@@ -26,8 +26,8 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
         from edged.export import export_onnx
 
         target = "cuda" if device == "cuda" else "cpu"
-        return OnnxBackend(export_onnx(model_path, quant, target=target, products=products), max_len=max_len, threads=threads,
-                           providers=pick_providers(target))
+        export = export_onnx(model_path, quant, target=target, products=products)
+        return OnnxBackend(export, max_len=max_len, threads=threads, providers=pick_providers(target))
     if kind == "torch":
         from edged.backends.torch_backend import TorchBackend
 

@@ -160,7 +160,8 @@ class OnnxBackend:
                 buffer[0, :, :n].copy_(torch.from_numpy(array))
 
     def identity(self) -> str:
-        return f"onnx:{self._model_hash[:16]}:{self.quant}:{self.dtype}:{','.join(self.providers)}"
+        quant = self.quant if self.products is None else f"{self.quant}+{self.products}-products"
+        return f"onnx:{self._model_hash[:16]}:{quant}:{self.dtype}:{','.join(self.providers)}"
 
     def _bind_kv(self) -> None:
         """Bind each layer's buffer as both past and present: GQA's shared-buffer mode writes in place."""

@@ -13,6 +13,8 @@ from edged.backends.base import KVSnapshot  # noqa: E402
 from edged.backends.onnx_backend import OnnxBackend  # noqa: E402
 from edged.export import export_onnx  # noqa: E402
 from edged.quality import PLAN_PROMPTS, greedy_ids  # noqa: E402
+from kernels.block_matmul_cpu import bf16_products_built  # noqa: E402
+from kernels.ort_ops import ort_ops_library  # noqa: E402
 
 MAX_LEN = 128
 GREEDY_TOKENS = 32
@@ -101,6 +103,17 @@ def test_bad_input_raises_value_error(onnx_fp32):
 def test_identity_names_model_backend_quant_and_provider(onnx_fp32):
     identity = onnx_fp32.identity()
     assert identity.startswith("onnx:") and ":none:" in identity and "CPUExecutionProvider" in identity
+
+
+@pytest.mark.skipif(not bf16_products_built() or ort_ops_library() is None,
+                    reason="bf16 products need fleetserve's ONNX Runtime ops and a CPU with AVX-512 BF16")
+def test_the_int4_graph_s_identity_names_its_products(default_model_path):
+    """Pinned prompts' KV files are keyed by the identity: another products choice computes other KV."""
+    backends = {products: OnnxBackend(export_onnx(default_model_path, "int4", products=products), max_len=64, threads=1)
+                for products in ("float32", "bfloat16")}
+    assert {products: b.products for products, b in backends.items()} == {"float32": "float32", "bfloat16": "bfloat16"}
+    assert ":int4+bfloat16-products:" in backends["bfloat16"].identity()
+    assert ":int4+float32-products:" in backends["float32"].identity()
 
 
 def test_forward_rows_give_every_token_s_logits(onnx_fp32, torch_fp32, prompts):
