@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run llama.cpp (../shared/peers/llamacpp) on the same GGUF and requests")
     b.add_argument("--trace", type=Path, default=Path("../shared/workloads/fleet-256.jsonl"))
     b.add_argument("--products", type=comma_list(PRODUCTS), default=("auto",),
-                   help="the onnx int4 graph's block products (a run each): auto, float32, bfloat16")
+                   help="int4's block products on a CPU (a run each): auto, float32, bfloat16")
     b.add_argument("--json", action="store_true")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--model", type=Path)
     q.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))
     q.add_argument("--quant", type=comma_list(QUANTS), default=("none", "int8", "int4", "int4-a8"))
-    q.add_argument("--products", choices=PRODUCTS, default="auto", help="the onnx int4 graph's block products")
+    q.add_argument("--products", choices=PRODUCTS, default="auto", help="int4's block products on a CPU")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_quality)
     args = p.parse_args(argv)

@@ -3,7 +3,7 @@ to a complete plan for every backend x quantization (x speculation on/off), in o
 plan requests from a fleet trace; optionally beside llama.cpp on the same GGUF.
 
 For each run (``"<backend>-<quant>"``, ``"-plain"`` appended without speculation, ``"-float32"``
-or ``"-bfloat16"`` for the int4 ONNX graph's block products when they are not ``auto``) and request:
+or ``"-bfloat16"`` for int4's block products when they are not ``auto``) and request:
 
 - **cold**: nothing reusable in the buffer and no pinned prompt: the whole prompt is prefilled;
 - **pinned**: the robot's standing prefix is pinned -- its system prompt and its scene message,
@@ -73,7 +73,7 @@ class BenchOptions:
     device: str = "cpu"  # "cuda": the torch backend on the Triton kernels, the ONNX graph on ORT's GPU providers
     cuda_graphs: tuple[bool, ...] = (True,)  # torch on cuda: with and/or without its decode graph ("-eager")
     speculation: tuple[bool, ...] = (True,)  # with and/or without speculative decoding ("-plain")
-    products: tuple[str, ...] = ("auto",)  # the onnx int4 graph's block products (edged.export), a run each
+    products: tuple[str, ...] = ("auto",)  # int4's block products on a CPU (both backends), a run each
     baseline: str | None = None  # "llamacpp": llama-server and llama-bench on the same GGUF
 
 
@@ -114,7 +114,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
     variants = [(kind, quant, graphs, spec, products) for kind in opts.backends for quant in opts.quants
                 for graphs in (opts.cuda_graphs if kind == "torch" and opts.device == "cuda" else (True,))
                 for spec in opts.speculation
-                for products in (opts.products if (kind, quant) == ("onnx", "int4") else ("auto",))]
+                for products in (opts.products if quant == "int4" else ("auto",))]
     for kind, quant, graphs, spec, products in variants:
         name = (f"{kind}-{quant}" + ("" if graphs else "-eager") + ("" if spec else "-plain")
                 + ("" if products == "auto" else f"-{products}"))

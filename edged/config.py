@@ -26,8 +26,9 @@ class BackendConfig:
     threads: int = 2  # intra-op threads (use 1 when other processes share the cores)
     device: str = "cpu"  # "cpu" | "cuda"
     model: str = ""  # GGUF file or HF folder; empty = the embedded default model
-    # the int4 ONNX graph's block products: "auto" (bfloat16 where the CPU has AVX-512 BF16, as
-    # cloudd's dtype auto; else float32) | "float32" (the GGUF's weights to float rounding) | "bfloat16"
+    # the int4 block kernels' products on a CPU (both backends): "auto" (bfloat16 where the CPU has
+    # AVX-512 BF16, as cloudd's dtype auto; else float32) | "float32" (the GGUF's weights to float
+    # rounding) | "bfloat16"
     products: str = "auto"
 
     def __post_init__(self) -> None:

@@ -26,11 +26,12 @@ def block_attention_inputs(
     sin: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    bf16_products: bool = False,  # kernels.block_matmul_cpu's products in bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, heads, D], k and v [T, kv_heads, D]
     """RMSNorm, the fused QKV projection (+ bias) and rotary on q and k; ValueError on shapes or
     dtypes that do not fit (float32, contiguous)."""
     return cpu_kernels().block_attention_inputs(x, norm_weight, eps, kernel_args(qkv), qkv_bias, cos, sin,
-                                                num_heads, num_kv_heads)
+                                                num_heads, num_kv_heads, bf16_products)
 
 
 def block_attention_outputs(
@@ -41,8 +42,9 @@ def block_attention_outputs(
     eps: float,
     gate_up: PackedBlockWeight,  # [2 * intermediate, hidden], gate rows first
     down: PackedBlockWeight,  # [hidden, intermediate]
+    bf16_products: bool = False,
 ) -> torch.Tensor:  # [T, hidden] the residual stream after the layer
     """The output projection and residual, RMSNorm, the SwiGLU MLP and residual; ValueError on
     shapes or dtypes that do not fit."""
     return cpu_kernels().block_attention_outputs(x, attended, kernel_args(o), norm_weight, eps, kernel_args(gate_up),
-                                                 kernel_args(down))
+                                                 kernel_args(down), bf16_products)

@@ -17,8 +17,8 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
     CUDA or TensorRT provider when ``device`` is cuda and they are installed. ``torch``: the
     engine's model over a dense buffer, on a GPU with the Triton kernels and (``cuda_graph``)
     its decode step replayed as a CUDA graph; int4 from a GGUF takes its quantized blocks as
-    they are. ``products``: the precision of the int4 CPU graph's block products
-    (``edged.export.export_onnx``); the torch backend's CPU products stay float32."""
+    they are. ``products``: the precision of the int4 block kernels' products on a CPU
+    (``kernels.block_matmul_cpu.PRODUCTS``; the ONNX graph's, ``edged.export.export_onnx``)."""
     from edged.export import model_hash
 
     if kind == "onnx":
@@ -35,5 +35,5 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
             torch.set_num_threads(threads)
         gguf = Path(model_path) if Path(model_path).suffix == ".gguf" else None
         return TorchBackend(checkpoint, max_len, quant=quant, device=device, model_digest=model_hash(Path(model_path)),
-                            cuda_graph=cuda_graph, blocks_from=gguf)
+                            cuda_graph=cuda_graph, blocks_from=gguf, products=products)
     raise ValueError(f"backend kind {kind!r}: must be 'onnx' or 'torch'")

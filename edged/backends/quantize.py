@@ -103,6 +103,7 @@ class BlockLinear(QuantizedLinear):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("minimums", weight.minimums)
         self._block_weight: PackedBlockWeight | None = None  # built on first use, dropped by .to()
+        self.bf16_products = False  # the CPU kernels' products in bfloat16 (kernels.block_matmul_cpu)
 
     @staticmethod
     def quantize(linear: nn.Linear, group: int = INT4_GROUP) -> "BlockLinear":
@@ -136,8 +137,8 @@ class BlockLinear(QuantizedLinear):
         if flat.shape[0] > BLOCK_KERNEL_MAX_ROWS:
             return flat @ block_dequantize_cpu(weight).to(flat.dtype).T
         if flat.dtype == torch.float32:
-            return block_matmul_cpu(flat.contiguous(), weight)
-        return block_matmul_cpu(flat.float().contiguous(), weight).to(flat.dtype)
+            return block_matmul_cpu(flat.contiguous(), weight, self.bf16_products)
+        return block_matmul_cpu(flat.float().contiguous(), weight, self.bf16_products).to(flat.dtype)
 
 
 QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": BlockLinear.quantize}

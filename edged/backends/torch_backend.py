@@ -23,7 +23,8 @@ import torch
 from edged.backends.base import KVSnapshot
 from edged.backends.block_layers import BLOCK_LAYERS_CPU
 from edged.backends.gguf_linears import carry_gguf_linears
-from edged.backends.quantize import quantize_linears
+from edged.backends.quantize import BlockLinear, quantize_linears
+from kernels.block_matmul_cpu import PRODUCTS, resolve_products
 from kernels.cpu_extension import cpu_kernels
 from kernels.dense_attention import DECODE_BLOCK, DenseAttentionStep
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
@@ -43,11 +44,13 @@ class TorchBackend:
 
     def __init__(self, checkpoint: Checkpoint, max_len: int, quant: str = "none", device: str = "cpu",
                  model_digest: str = "", cuda_graph: bool = True, kernels: str = "auto",
-                 blocks_from: Path | None = None):
+                 blocks_from: Path | None = None, products: str = "auto"):
         """``kernels`` as ``[engine] kernels`` (``shared.engine.kernel_choice``): auto is Triton
         on a GPU and the plain-torch dense attention on a CPU. ``blocks_from``: with int4, the
         GGUF the checkpoint came from; its block-quantized tensors are used as they are
-        (``edged.backends.gguf_linears``) and only the other layers are quantized."""
+        (``edged.backends.gguf_linears``) and only the other layers are quantized. ``products``
+        (``kernels.block_matmul_cpu.PRODUCTS``): the precision of the CPU block kernels' products,
+        where int4 runs them; ValueError for another name."""
         cfg = checkpoint.config
         self.quant = quant
         self.max_len = max_len
@@ -72,8 +75,14 @@ class TorchBackend:
             self.model.layer_functions = TRITON_LAYERS
         elif quant == "int4" and self.device.type == "cpu" and cpu_kernels() is not None:
             self.model.layer_functions = BLOCK_LAYERS_CPU
-        # NOTE: the layer kernels keep float32 products (the ONNX graph's may be bf16, edged.export)
-        self.products: str | None = "float32" if self.model.layer_functions is BLOCK_LAYERS_CPU else None
+        self.products: str | None = None  # the block kernels' products, where they run
+        if products not in PRODUCTS:
+            raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
+        if self.model.layer_functions is BLOCK_LAYERS_CPU:
+            self.products = resolve_products(products)
+            for module in self.model.modules():
+                if isinstance(module, BlockLinear):
+                    module.bf16_products = self.products == "bfloat16"
         self._programs = launch_programs(self.device)  # the Triton decode launch's target
         self._graph: _DecodeGraph | None = None
         if self.triton and self.device.type == "cuda" and cuda_graph:
@@ -126,6 +135,8 @@ class TorchBackend:
 
     def identity(self) -> str:
         weights = f"{self.quant}+gguf-blocks" if self.carried_layers else self.quant
+        if self.products is not None:
+            weights += f"+{self.products}-products"
         return f"{self._digest}:torch:{weights}:float32:{self.device.type}"
 
 

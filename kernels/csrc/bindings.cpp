@@ -30,9 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_attention_inputs", &block_attention_inputs,
         "a layer's RMSNorm, QKV projection (block weight) and rotary for a few rows (CPU)", py::arg("x"),
         py::arg("norm_weight"), py::arg("eps"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("cos"), py::arg("sin"),
-        py::arg("num_heads"), py::arg("num_kv_heads"));
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("bf16_products") = false);
   m.def("block_attention_outputs", &block_attention_outputs,
         "a layer's output projection, residual, RMSNorm, SwiGLU MLP and residual (block weights) for a few rows (CPU)",
         py::arg("x"), py::arg("attended"), py::arg("o"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_up"),
-        py::arg("down"));
+        py::arg("down"), py::arg("bf16_products") = false);
 }

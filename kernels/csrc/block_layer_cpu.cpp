@@ -85,7 +85,8 @@ void silu_times_up(const float* gate_up, int64_t rows, int64_t width, float* out
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
     torch::Tensor x, torch::Tensor norm_weight, double eps, BlockWeightArgs qkv,
     std::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-    int64_t num_kv_heads) {
+    int64_t num_kv_heads, bool bf16_products) {
+  const Products products = bf16_products ? Products::kBFloat16 : Products::kFloat32;
   TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1), heads = num_heads + 2 * num_kv_heads;
   const BlockWeightView w = view_of(qkv);
@@ -105,7 +106,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
                 normed.data());
   auto out = torch::empty({rows, width}, x.options());
   float* y = out.data_ptr<float>();
-  block_matmul_into(normed.data(), rows, w, y);
+  block_matmul_into(normed.data(), rows, w, y, products);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = y + r * width;
     if (qkv_bias) {
@@ -124,7 +125,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
 
 torch::Tensor block_attention_outputs(torch::Tensor x, torch::Tensor attended, BlockWeightArgs o,
                                       torch::Tensor norm_weight, double eps, BlockWeightArgs gate_up,
-                                      BlockWeightArgs down) {
+                                      BlockWeightArgs down, bool bf16_products) {
+  const Products products = bf16_products ? Products::kBFloat16 : Products::kFloat32;
   TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const BlockWeightView wo = view_of(o), wgu = view_of(gate_up), wd = view_of(down);
@@ -140,14 +142,14 @@ torch::Tensor block_attention_outputs(torch::Tensor x, torch::Tensor attended, B
   auto out = torch::empty({rows, hidden}, x.options());
   float* residual = out.data_ptr<float>();
   const float* xs = x.data_ptr<float>();
-  block_matmul_into(attended.data_ptr<float>(), rows, wo, residual);
+  block_matmul_into(attended.data_ptr<float>(), rows, wo, residual, products);
   for (int64_t j = 0; j < rows * hidden; ++j) residual[j] = xs[j] + residual[j];
 
   std::vector<float> normed(rows * hidden), projected(rows * wgu.n), activated(rows * inner), mlp(rows * hidden);
   rms_norm_rows(residual, rows, hidden, norm_weight.data_ptr<float>(), static_cast<float>(eps), normed.data());
-  block_matmul_into(normed.data(), rows, wgu, projected.data());
+  block_matmul_into(normed.data(), rows, wgu, projected.data(), products);
   silu_times_up(projected.data(), rows, inner, activated.data());
-  block_matmul_into(activated.data(), rows, wd, mlp.data());
+  block_matmul_into(activated.data(), rows, wd, mlp.data(), products);
   for (int64_t j = 0; j < rows * hidden; ++j) residual[j] += mlp[j];
   return out;
 }

@@ -44,11 +44,11 @@ using BlockWeightArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, 
 
 // A decoder layer's dense halves over block weights for a few rows (block_layer_cpu.cpp):
 // RMSNorm, the QKV projection and rotary; the output projection, residual, RMSNorm, SwiGLU MLP
-// and residual.
+// and residual. The block products in bfloat16 with bf16_products (block_weight.h's Products).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
     torch::Tensor x, torch::Tensor norm_weight, double eps, BlockWeightArgs qkv,
     std::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-    int64_t num_kv_heads);
+    int64_t num_kv_heads, bool bf16_products);
 torch::Tensor block_attention_outputs(torch::Tensor x, torch::Tensor attended, BlockWeightArgs o,
                                       torch::Tensor norm_weight, double eps, BlockWeightArgs gate_up,
-                                      BlockWeightArgs down);
+                                      BlockWeightArgs down, bool bf16_products);

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edged.backends.quantize import BlockLinear
 from kernels.block_layers_cpu import block_attention_inputs, block_attention_outputs
 from shared.model.llama import attention_inputs, attention_outputs
-from tests.kernels.test_block_matmul_cpu import needs_kernels, random_weight
+from tests.kernels.test_block_matmul_cpu import needs_bf16, needs_kernels, random_weight
 
 EPS = 1e-5
 
@@ -82,6 +83,38 @@ def test_attention_outputs_are_the_layer_functions(bits, rows, attended_groups, 
     for r in range(rows):
         alone = block_attention_outputs(x[r:r + 1], attended[r:r + 1], o, norm, EPS, gate_up, down)
         assert torch.equal(alone[0], fused[r])
+
+
+def bf16_weight(weight) -> torch.Tensor:
+    """``weight`` as a ``BlockLinear``'s stand-in weight whose products are in bf16: the layer
+    functions' projections then run the block kernel's bf16 products."""
+    layer = BlockLinear(weight)
+    layer.bf16_products = True
+    return layer.weight
+
+
+@needs_bf16
+@settings(max_examples=20, deadline=None)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_bf16_products_reach_every_projection_and_keep_rows_apart(bits, rows, seed):
+    """Both halves with bf16 products are the layer functions over bf16 projections (to the odd
+    operand that a C++ and a torch RMSNorm or silu round to neighbouring bf16 values), and each
+    row is the same alone as with the others."""
+    heads = (4, 2)
+    x, norm, qkv, bias, cos, sin = inputs_case(bits, rows, *heads, 16, 2, False, seed)
+    fused = block_attention_inputs(x, norm, EPS, qkv, bias, cos, sin, *heads, bf16_products=True)
+    reference = attention_inputs(x, norm, EPS, bf16_weight(qkv), bias, cos, sin, *heads)
+    for got, want in zip(fused, reference, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    o, gate_up, down = (unit_weight(bits, n, k, generator) for n, k in ((64, 64), (128, 64), (64, 64)))
+    attended = torch.randn(rows, 4, 16, generator=generator)
+    outputs = block_attention_outputs(x, attended, o, norm, EPS, gate_up, down, bf16_products=True)
+    reference = attention_outputs(x, attended, bf16_weight(o), norm, EPS, bf16_weight(gate_up), bf16_weight(down))
+    torch.testing.assert_close(outputs, reference, atol=1e-2, rtol=1e-2)
+    for r in range(rows):
+        alone = block_attention_outputs(x[r:r + 1], attended[r:r + 1], o, norm, EPS, gate_up, down, bf16_products=True)
+        assert torch.equal(alone[0], outputs[r])
 
 
 @needs_kernels
