@@ -17,7 +17,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from edged.backends.base import BACKENDS, QUANTS  # noqa: E402
-from kernels.block_matmul_cpu import PRODUCTS  # noqa: E402
+from kernels.block_products import PRODUCTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 
 GRAPH_VARIANTS = ("on", "off")

@@ -114,7 +114,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] | None = print) -> 
     variants = [(kind, quant, graphs, spec, products) for kind in opts.backends for quant in opts.quants
                 for graphs in (opts.cuda_graphs if kind == "torch" and opts.device == "cuda" else (True,))
                 for spec in opts.speculation
-                for products in (opts.products if quant == "int4" else ("auto",))]
+                for products in (opts.products if quant == "int4" and opts.device == "cpu" else ("auto",))]
     for kind, quant, graphs, spec, products in variants:
         name = (f"{kind}-{quant}" + ("" if graphs else "-eager") + ("" if spec else "-plain")
                 + ("" if products == "auto" else f"-{products}"))

@@ -10,7 +10,7 @@ from edged.backends.base import BACKENDS, QUANTS
 from edged.escalation import EscalationConfig
 from edged.server import EdgeServeConfig
 from edged.speculation import SpeculationConfig
-from kernels.block_matmul_cpu import PRODUCTS
+from kernels.block_products import check_products
 from shared.config import build_dataclass
 
 
@@ -36,8 +36,7 @@ class BackendConfig:
             raise ValueError(f"kind must be one of {', '.join(BACKENDS)}, got {self.kind!r}")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
-        if self.products not in PRODUCTS:
-            raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {self.products!r}")
+        check_products(self.products)
         if self.max_len < 16 or self.threads < 1 or self.device not in ("cpu", "cuda"):
             raise ValueError("max_len >= 16, threads >= 1, device cpu or cuda")
 

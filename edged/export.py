@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kernels.block_matmul_cpu import PRODUCTS, resolve_products
+from kernels.block_products import check_products, resolve_products
 
 QUANTS = ("none", "int8", "int4", "int4-a8")  # int4-a8: int4 weights, int8 activations (CPU only)
 TARGETS = ("cpu", "cuda")
@@ -64,7 +64,7 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
     Reuses a matching cached export; otherwise builds one (20-60 s for a 135M model).
     ``cache_root`` None puts the cache beside the model, else under ``cache_root/<name>.onnx``.
     ``log`` (a callable taking one str) hears about progress; None is silent. ``products``
-    (``kernels.block_matmul_cpu.PRODUCTS``) is the precision of BlockMatMul's products where the
+    (``kernels.block_products.PRODUCTS``) is the precision of BlockMatMul's products where the
     graph has that op (``auto``: bfloat16 where the CPU has AVX-512 BF16); each is cached apart.
     Raises ValueError for a bad quant/target/products, FileNotFoundError for a missing model, ExportError
     when onnxruntime-genai (or transformers, which its builder needs) is missing or the builder fails.
@@ -73,8 +73,7 @@ def export_onnx(model_path: Path | str, quant: str = "int4", cache_root: Path | 
         raise ValueError(f"quant={quant!r}: must be one of {QUANTS}")
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: must be one of {TARGETS}")
-    if products not in PRODUCTS:
-        raise ValueError(f"products={products!r}: must be one of {PRODUCTS}")
+    check_products(products)
     if quant == "int4-a8" and target != "cpu":
         raise ValueError("quant int4-a8 (int8 activations) is ONNX Runtime's CPU kernel: use int4 on cuda")
     model_path = Path(model_path).expanduser().resolve()

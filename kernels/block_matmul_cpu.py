@@ -11,8 +11,9 @@ once, for a prefill's plain GEMM.
 weights rounded to bf16 (to nearest even) and multiplied into float32 sums by VDPBF16PS, 32
 products an instruction where float FMAs take 16. On a 2-core AVX-512 BF16 EPYC, SmolLM2-135M's
 products (a forward's) took 17.5-18 against 24-27 ms for 12 rows and 6.0-6.5 against 6.5-7.0
-ms for one (a 4-bit group's bf16 weights looked up from the 16 values its codes stand for). ``resolve_products("auto")`` picks bfloat16 where this build has it, as cloudd's
-dtype ``auto`` does; the rounding is that of a bf16 model (``edged quality`` in the README).
+ms for one (a 4-bit group's bf16 weights looked up from the 16 values its codes stand for).
+Which one runs: ``kernels.block_products``; the rounding is that of a bf16 model (``edged
+quality`` in the README).
 
 Where the extension cannot be built, both take the weight's ``dequantize`` (the same values,
 the products rounded in another order).
@@ -28,7 +29,6 @@ from kernels.cpu_extension import cpu_kernels
 from kernels.triton_int4_matmul import Int4Weight
 
 GROUP = 32  # input columns per block
-PRODUCTS = ("auto", "float32", "bfloat16")  # the block kernel's products
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def block_matmul_cpu(x: torch.Tensor, weight: PackedBlockWeight, bf16_products: 
 
     Raises ValueError for a 4-bit weight in groups other than 32, an ``x`` that is not [M, K]
     float32 (contiguous; the kernel's own checks, called once per projection of a forward, so
-    kept in C++), or bf16 products where ``bf16_products_built()`` is false.
+    kept in C++), or bf16 products where ``kernels.block_products.bf16_products_built()`` is false.
     """
     module = cpu_kernels()
     if module is None:
@@ -67,26 +67,6 @@ def block_matmul_cpu(x: torch.Tensor, weight: PackedBlockWeight, bf16_products: 
             raise ValueError(f"block_matmul: x must be [M, {k}], got {list(x.shape)}")
         return x.float() @ weight.dequantize(torch.float32).T
     return module.block_matmul(x, *kernel_args(weight), bf16_products=bf16_products)
-
-
-def bf16_products_built() -> bool:
-    """Whether the block kernel has bfloat16 products here (the CPU kernels built for a CPU
-    with AVX-512 BF16)."""
-    module = cpu_kernels()
-    return module is not None and module.block_products_bf16_built()
-
-
-def resolve_products(name: str) -> str:
-    """``name`` (one of ``PRODUCTS``) as "float32" or "bfloat16": ``auto`` is bfloat16 where
-    ``bf16_products_built()``, else float32. Raises ValueError for another name, or for
-    bfloat16 where it is not built."""
-    if name not in PRODUCTS:
-        raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {name!r}")
-    if name == "auto":
-        return "bfloat16" if bf16_products_built() else "float32"
-    if name == "bfloat16" and not bf16_products_built():
-        raise ValueError("products bfloat16 needs a CPU with AVX-512 BF16 (and the CPU kernels built)")
-    return name
 
 
 def block_dequantize_cpu(weight: PackedBlockWeight) -> torch.Tensor:

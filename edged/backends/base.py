@@ -41,7 +41,7 @@ class Batch1Backend(Protocol):
     # the generator then never sends one token alone after position 0.
     row_exact: bool
     # The precision of the int4 block kernel's products ("float32" | "bfloat16",
-    # kernels.block_matmul_cpu); None where the forward has no block products.
+    # kernels.block_products); None where the forward has no block products.
     products: str | None
 
     def forward(self, token_ids: Sequence[int], start: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ def make_backend(kind: str, quant: str, checkpoint: Checkpoint, model_path: Path
     engine's model over a dense buffer, on a GPU with the Triton kernels and (``cuda_graph``)
     its decode step replayed as a CUDA graph; int4 from a GGUF takes its quantized blocks as
     they are. ``products``: the precision of the int4 block kernels' products on a CPU
-    (``kernels.block_matmul_cpu.PRODUCTS``; the ONNX graph's, ``edged.export.export_onnx``)."""
+    (``kernels.block_products.PRODUCTS``; the ONNX graph's, ``edged.export.export_onnx``)."""
     from edged.export import model_hash
 
     if kind == "onnx":

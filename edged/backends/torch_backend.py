@@ -24,7 +24,7 @@ from edged.backends.base import KVSnapshot
 from edged.backends.block_layers import BLOCK_LAYERS_CPU
 from edged.backends.gguf_linears import carry_gguf_linears
 from edged.backends.quantize import BlockLinear, quantize_linears
-from kernels.block_matmul_cpu import PRODUCTS, resolve_products
+from kernels.block_products import check_products, resolve_products
 from kernels.cpu_extension import cpu_kernels
 from kernels.dense_attention import DECODE_BLOCK, DenseAttentionStep
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
@@ -49,7 +49,7 @@ class TorchBackend:
         on a GPU and the plain-torch dense attention on a CPU. ``blocks_from``: with int4, the
         GGUF the checkpoint came from; its block-quantized tensors are used as they are
         (``edged.backends.gguf_linears``) and only the other layers are quantized. ``products``
-        (``kernels.block_matmul_cpu.PRODUCTS``): the precision of the CPU block kernels' products,
+        (``kernels.block_products.PRODUCTS``): the precision of the CPU block kernels' products,
         where int4 runs them; ValueError for another name."""
         cfg = checkpoint.config
         self.quant = quant
@@ -76,8 +76,7 @@ class TorchBackend:
         elif quant == "int4" and self.device.type == "cpu" and cpu_kernels() is not None:
             self.model.layer_functions = BLOCK_LAYERS_CPU
         self.products: str | None = None  # the block kernels' products, where they run
-        if products not in PRODUCTS:
-            raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
+        check_products(products)
         if self.model.layer_functions is BLOCK_LAYERS_CPU:
             self.products = resolve_products(products)
             for module in self.model.modules():

@@ -121,7 +121,7 @@ struct FloatProducts {
 };
 
 #if defined(__AVX512BF16__)
-// The same in bfloat16: x rounded to bf16 once a call (to_bf16), the group's 32 widened weights
+// The same in bfloat16: x rounded to bf16 once a call (to_bf16_columns), the group's 32 widened weights
 // rounded to one vector of 32 bf16, and one VDPBF16PS (32 products summed into 16 float lanes)
 // where the float form takes two FMAs.
 struct Bf16Products {
@@ -193,13 +193,22 @@ void output_tile(const uint8_t* packed, const float* scales, const float* minimu
 }
 
 #if defined(__AVX512BF16__)
-// x [rows, k] rounded to bf16 (to nearest even, as torch rounds), into out.
-void to_bf16(const float* x, int64_t elements, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= elements; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+// x [rows, k] rounded to bf16 (to nearest even, as torch rounds) in the order the weights'
+// columns are stored (reorder_columns' for 4 bits), into out: one pass, 32 columns (a group) a
+// step, so `elements` is a multiple of 32 (K is).
+template <int Bits>
+void to_bf16_columns(const float* x, int64_t elements, uint16_t* out) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t i = 0; i < elements; i += kGroup) {
+    __m512 first = _mm512_loadu_ps(x + i), second = _mm512_loadu_ps(x + i + 16);
+    if constexpr (Bits == 4) {  // the even columns (low nibbles), then the odd ones
+      const __m512 evens = _mm512_permutex2var_ps(first, even, second);
+      second = _mm512_permutex2var_ps(first, odd, second);
+      first = evens;
+    }
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(second, first));
   }
-  for (; i < elements; ++i) out[i] = _mm_cvtness_sbh(x[i]);
 }
 #endif  // __AVX512BF16__
 #else
@@ -386,22 +395,22 @@ bool bf16_products_built() {
 
 void block_matmul_into(const float* x, int64_t rows, const BlockWeightView& w, float* y, Products products) {
   if (rows == 0 || w.n == 0) return;
-  std::vector<float> reordered;
-  if (w.bits == 4) {
-    reordered.resize(rows * w.k);
-    reorder_columns(x, rows, w.k, reordered.data());
-    x = reordered.data();
-  }
   if (products == Products::kBFloat16) {
 #if defined(__AVX512BF16__)
     std::vector<uint16_t> rounded(rows * w.k);
-    to_bf16(x, rows * w.k, rounded.data());
+    (w.bits == 4 ? to_bf16_columns<4> : to_bf16_columns<8>)(x, rows * w.k, rounded.data());
     const auto run = w.bits == 4 ? matmul<4, uint16_t> : matmul<8, uint16_t>;
     run(rounded.data(), w.packed, w.scales, w.minimums, rows, w.k, w.n, y);
     return;
 #else
     TORCH_CHECK_VALUE(false, "block_matmul: bf16 products need a CPU with AVX-512 BF16 (bf16_products_built())");
 #endif
+  }
+  std::vector<float> reordered;
+  if (w.bits == 4) {
+    reordered.resize(rows * w.k);
+    reorder_columns(x, rows, w.k, reordered.data());
+    x = reordered.data();
   }
   const auto run = w.bits == 4 ? matmul<4, float> : matmul<8, float>;
   run(x, w.packed, w.scales, w.minimums, rows, w.k, w.n, y);

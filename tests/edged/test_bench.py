@@ -10,7 +10,7 @@ import pytest
 
 from cloudd.trace import bundled_trace
 from edged.__main__ import main
-from kernels.block_matmul_cpu import resolve_products
+from kernels.block_products import resolve_products
 from shared import progress
 
 

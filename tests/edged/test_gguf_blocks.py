@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edged.gguf_blocks import BLOCK, BlockWeight, block_weight
-from kernels.block_matmul_cpu import resolve_products
+from kernels.block_products import resolve_products
 from shared.model.gguf_loader import read_gguf
 
 ort = pytest.importorskip("onnxruntime", reason="needs the onnx extra: pip install 'fleetserve[onnx]'")

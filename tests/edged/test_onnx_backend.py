@@ -13,7 +13,7 @@ from edged.backends.base import KVSnapshot  # noqa: E402
 from edged.backends.onnx_backend import OnnxBackend  # noqa: E402
 from edged.export import export_onnx  # noqa: E402
 from edged.quality import PLAN_PROMPTS, greedy_ids  # noqa: E402
-from kernels.block_matmul_cpu import bf16_products_built  # noqa: E402
+from kernels.block_products import bf16_products_built  # noqa: E402
 from kernels.ort_ops import ort_ops_library  # noqa: E402
 
 MAX_LEN = 128

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from edged.backends.quantize import INT4_GROUP, BlockLinear, Int8Linear, quantize_linears
-from kernels.block_matmul_cpu import bf16_products_built
+from kernels.block_products import bf16_products_built
 from kernels.cpu_extension import cpu_kernels
 from shared.model.llama import EAGER
 

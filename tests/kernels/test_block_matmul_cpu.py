@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.block_matmul_cpu as block_matmul_module
-from kernels.block_matmul_cpu import (Int8BlockWeight, bf16_products_built, block_dequantize_cpu, block_matmul_cpu,
-                                     resolve_products)
+import kernels.block_products as block_products_module
+from kernels.block_matmul_cpu import Int8BlockWeight, block_dequantize_cpu, block_matmul_cpu
+from kernels.block_products import bf16_products_built, resolve_products
 from kernels.cpu_extension import cpu_kernels
 from kernels.triton_int4_matmul import Int4Weight
 
@@ -69,7 +69,7 @@ def test_products_auto_is_bf16_where_built(monkeypatch):
     assert resolve_products("float32") == "float32"
     with pytest.raises(ValueError, match="products must be one of"):
         resolve_products("int8")
-    monkeypatch.setattr(block_matmul_module, "bf16_products_built", lambda: False)
+    monkeypatch.setattr(block_products_module, "bf16_products_built", lambda: False)
     assert resolve_products("auto") == "float32"
     with pytest.raises(ValueError, match="AVX-512 BF16"):
         resolve_products("bfloat16")

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import torch
 
 from edged.gguf_blocks import BLOCK, block_weight
-from kernels.block_matmul_cpu import bf16_products_built, block_matmul_cpu
+from kernels.block_matmul_cpu import block_matmul_cpu
+from kernels.block_products import bf16_products_built
 from kernels.ort_ops import BLOCK_MATMUL, DOMAIN, ort_ops_library
 from kernels.triton_int4_matmul import Int4Weight
 
