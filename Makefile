@@ -48,7 +48,8 @@ demo: model kernels ros
 	$(PY) examples/fleet_demo.py
 
 # The test process runs engines itself, beside the daemons it starts: its OpenMP threads spin
-# briefly between ops, then sleep, as edged's do (the daemons choose their own: README, Threads).
+# briefly between ops, then sleep, as edged's do (the daemons choose their own: docs/engine-speed.md,
+# Threads and memory).
 test: export OMP_WAIT_POLICY ?= PASSIVE
 test: export GOMP_SPINCOUNT ?= 10000
 test: model kernels ros

@@ -119,7 +119,7 @@ def quality_report(model_path: Path | str, specs: Sequence[tuple[str, str]] = DE
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The rows as a markdown table (what the README quotes)."""
+    """The rows as a markdown table (what docs/edged.md quotes)."""
     head = "| backend | quant | NLL (nat) | ppl | ΔNLL | top-1 vs ref | greedy prefix | greedy exact |"
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -13,7 +13,7 @@ products an instruction where float FMAs take 16. On a 2-core AVX-512 BF16 EPYC,
 products (a forward's) took 17.5-18 against 24-27 ms for 12 rows and 6.0-6.5 against 6.5-7.0
 ms for one (a 4-bit group's bf16 weights looked up from the 16 values its codes stand for).
 Which one runs: ``kernels.block_products``; the rounding is that of a bf16 model (``edged
-quality`` in the README).
+quality`` in docs/edged.md).
 
 Where the extension cannot be built, both take the weight's ``dequantize`` (the same values,
 the products rounded in another order).

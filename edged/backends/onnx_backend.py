@@ -69,7 +69,7 @@ class OnnxBackend:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         # NOTE: spinning workers steal the core from the robot's other processes and, when they are
-        # preempted, stall every op's barrier; measured in the README.
+        # preempted, stall every op's barrier; measured in docs/edged.md.
         spin = "1" if spinning else "0"
         options.add_session_config_entry("session.intra_op.allow_spinning", spin)
         options.add_session_config_entry("session.inter_op.allow_spinning", spin)

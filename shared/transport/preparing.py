@@ -6,7 +6,7 @@ The loop thread owns every ``Admitting`` entry; the preparing thread runs only t
 given, and its outcome comes back to the loop through the daemon's ``Mailbox``. A retry of a
 request still being prepared joins it; a cancel meanwhile is answered once it is prepared (the
 request then never runs). One thread, not a pool: preparing is mostly tokenizing, which holds
-the interpreter lock in parts, and more threads measured worse under load (README, Reliability).
+the interpreter lock in parts, and more threads measured worse under load (docs/reliability.md).
 """
 
 from __future__ import annotations
