@@ -189,15 +189,16 @@ struct Bf16DecodeTask {
   float scale_ = 1.f;
   alignas(64) float acc[kMaxHeads * DIM];      // running weighted sums of V, per head
   alignas(64) float probs[kMaxHeads * kTile];  // the tile's exp(score - max), per head
+  __m512 run_sums[kMaxHeads];  // running sums of the probabilities, per head, lane by lane (added up in write())
   float correction[kMaxHeads];
-  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  float run_max[kMaxHeads];
 
   void begin(const at::BFloat16* const* queries, int64_t heads, float scale) {
     for (int64_t g = 0; g < heads; ++g) q_pairs[g] = reinterpret_cast<const uint32_t*>(queries[g]);
     scale_ = scale;
     std::fill(acc, acc + heads * DIM, 0.f);
     std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
-    std::fill(run_sum, run_sum + heads, 0.f);
+    std::fill(run_sums, run_sums + heads, _mm512_setzero_ps());
   }
 
   // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
@@ -272,11 +273,13 @@ struct Bf16DecodeTask {
     for (int64_t g = h0; g < h1; ++g) {
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, scores[g],
                                           _mm512_set1_ps(scale_));
-      const float new_max = std::max(run_max[g], _mm512_reduce_max_ps(s));
+      // Most tiles have no score above the running maximum (every tile's first: it is -inf):
+      // then the maximum stays, with no horizontal reduction and no rescaling.
+      float new_max = run_max[g];
+      if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(new_max), _CMP_GT_OQ) != 0) new_max = _mm512_reduce_max_ps(s);
       const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-      // exp(-inf) = 0 at the start; most tiles leave the maximum as it was (no libm call then)
-      correction[g] = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);
-      run_sum[g] = run_sum[g] * correction[g] + _mm512_reduce_add_ps(e);
+      correction[g] = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
+      run_sums[g] = _mm512_fmadd_ps(run_sums[g], _mm512_set1_ps(correction[g]), e);
       run_max[g] = new_max;
       _mm512_store_ps(probs + g * kTile, e);
     }
@@ -321,9 +324,10 @@ struct Bf16DecodeTask {
   }
 
   void write(int64_t g, at::BFloat16* __restrict__ out, float* lse) const {
-    const float inv = 1.f / run_sum[g];
+    const float run_sum = _mm512_reduce_add_ps(run_sums[g]);
+    const float inv = 1.f / run_sum;
     for (int64_t j = 0; j < DIM; ++j) out[permuted_dim(j)] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
-    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum[g]);
+    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum);
   }
 };
 
