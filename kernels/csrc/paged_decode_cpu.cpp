@@ -408,8 +408,12 @@ struct Fp32DecodeTask : DecodeTask<float, DIM> {
     const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     lo = _mm256_blendv_ps(minus_inf, lo, valid_lo);
     hi = _mm256_blendv_ps(minus_inf, hi, valid_hi);
-    const float new_max =
-        std::max(run_max[g], horizontal(_mm256_max_ps(lo, hi), [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }));
+    // Most tiles have no score above the running maximum (every tile's first: it is -inf): then
+    // the maximum stays, with no horizontal reduction.
+    const __m256 tile_max = _mm256_max_ps(lo, hi);
+    float new_max = run_max[g];
+    if (_mm256_movemask_ps(_mm256_cmp_ps(tile_max, _mm256_set1_ps(new_max), _CMP_GT_OQ)) != 0)
+      new_max = horizontal(tile_max, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
     const __m256 m = _mm256_set1_ps(new_max);
     const __m256 e_lo = _mm256_and_ps(valid_lo, exp_nonpositive(_mm256_sub_ps(lo, m)));
     const __m256 e_hi = _mm256_and_ps(valid_hi, exp_nonpositive(_mm256_sub_ps(hi, m)));
