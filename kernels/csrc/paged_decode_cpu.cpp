@@ -273,8 +273,8 @@ struct Bf16DecodeTask {
     for (int64_t g = h0; g < h1; ++g) {
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, scores[g],
                                           _mm512_set1_ps(scale_));
-      // Most tiles have no score above the running maximum (every tile's first: it is -inf):
-      // then the maximum stays, with no horizontal reduction and no rescaling.
+      // Most tiles have no score above the running maximum (a head's first tile always has: the
+      // maximum starts at -inf); then it stays, with no horizontal reduction and no rescaling.
       float new_max = run_max[g];
       if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(new_max), _CMP_GT_OQ) != 0) new_max = _mm512_reduce_max_ps(s);
       const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
@@ -408,8 +408,8 @@ struct Fp32DecodeTask : DecodeTask<float, DIM> {
     const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     lo = _mm256_blendv_ps(minus_inf, lo, valid_lo);
     hi = _mm256_blendv_ps(minus_inf, hi, valid_hi);
-    // Most tiles have no score above the running maximum (every tile's first: it is -inf): then
-    // the maximum stays, with no horizontal reduction.
+    // Most tiles have no score above the running maximum (a head's first tile always has: the
+    // maximum starts at -inf); then it stays, with no horizontal reduction.
     const __m256 tile_max = _mm256_max_ps(lo, hi);
     float new_max = run_max[g];
     if (_mm256_movemask_ps(_mm256_cmp_ps(tile_max, _mm256_set1_ps(new_max), _CMP_GT_OQ)) != 0)
