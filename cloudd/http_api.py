@@ -125,10 +125,16 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
+        """socketserver's, with the slot given back before the socket closes: a client that
+        has seen its connection end can open the next one at once (released after the close,
+        the slot was still taken for a moment, and that next connection got a 503)."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
             self._slots.release()
+            self.shutdown_request(request)
 
 
 # --- OpenAI body -> protocol ---------------------------------------------------------------------

@@ -282,6 +282,25 @@ def test_a_half_sent_request_is_dropped_after_the_timeout_and_connections_are_ca
         client.close()
 
 
+def test_a_closed_connection_s_slot_is_free_before_its_client_sees_the_close(http):
+    """Found in a fresh clone's run: the slot was given back after the socket closed, so a
+    client that reconnected at once could find it still taken and get a 503."""
+    client = FleetClient("inproc://nobody")  # never reached: /v1/models is answered by the front
+    front = make_http_server("127.0.0.1", 0, ApiContext(client, http[1], ServerMetrics(), "t"), max_connections=1)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    try:
+        for _ in range(100):  # one connection after another, each opened once the last has closed
+            with socket.create_connection(front.server_address[:2], timeout=30) as conn:
+                conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                reply = b""
+                while chunk := conn.recv(65536):
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+    finally:
+        front.shutdown()
+        client.close()
+
+
 def test_a_robot_over_its_quota_gets_a_429_with_retry_after(http):
     with serve_http(http[1], robot_requests_per_s=0.01, robot_burst=1) as url:
         body = {"messages": MESSAGES, "max_tokens": 2, "robot_id": "amr-5", "temperature": 0}
