@@ -124,17 +124,14 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             return
         super().process_request(request, client_address)
 
-    def process_request_thread(self, request, client_address) -> None:
-        """socketserver's, with the slot given back before the socket closes: a client that
-        has seen its connection end can open the next one at once (released after the close,
-        the slot was still taken for a moment, and that next connection got a 503)."""
+    def finish_request(self, request, client_address) -> None:
+        """The connection's handler, then its slot given back, before socketserver closes the
+        socket: a client that has seen its connection end can open the next one at once (given
+        back after the close, the slot was still taken for a moment, and that connection got a 503)."""
         try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
+            super().finish_request(request, client_address)
         finally:
             self._slots.release()
-            self.shutdown_request(request)
 
 
 # --- OpenAI body -> protocol ---------------------------------------------------------------------

@@ -86,7 +86,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
     torch::Tensor x, torch::Tensor norm_weight, double eps, BlockWeightArgs qkv,
     std::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
     int64_t num_kv_heads, bool bf16_products) {
-  const Products products = bf16_products ? Products::kBFloat16 : Products::kFloat32;
+  const Products products = products_of(bf16_products);
   TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1), heads = num_heads + 2 * num_kv_heads;
   const BlockWeightView w = view_of(qkv);
@@ -126,7 +126,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_attention_inputs(
 torch::Tensor block_attention_outputs(torch::Tensor x, torch::Tensor attended, BlockWeightArgs o,
                                       torch::Tensor norm_weight, double eps, BlockWeightArgs gate_up,
                                       BlockWeightArgs down, bool bf16_products) {
-  const Products products = bf16_products ? Products::kBFloat16 : Products::kFloat32;
+  const Products products = products_of(bf16_products);
   TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const BlockWeightView wo = view_of(o), wgu = view_of(gate_up), wd = view_of(down);

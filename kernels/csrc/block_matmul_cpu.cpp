@@ -431,7 +431,6 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor 
                         x.device().is_cpu(),
                     "block_matmul: x must be [M, ", w.k, "] float32, contiguous, on the CPU");
   auto y = torch::empty({x.size(0), w.n}, x.options());
-  block_matmul_into(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(),
-                    bf16_products ? Products::kBFloat16 : Products::kFloat32);
+  block_matmul_into(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(), products_of(bf16_products));
   return y;
 }

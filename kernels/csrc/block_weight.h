@@ -25,6 +25,9 @@ BlockWeightView block_weight_view(const torch::Tensor& packed, const torch::Tens
 // cycle of float FMAs).
 enum class Products { kFloat32, kBFloat16 };
 
+// The products a caller's flag asks for (the Python and ONNX attributes are a bool / an int).
+inline Products products_of(bool bf16) { return bf16 ? Products::kBFloat16 : Products::kFloat32; }
+
 // Whether this build has the bfloat16 products (compiled for a CPU with AVX-512 BF16).
 bool bf16_products_built();
 

@@ -170,7 +170,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* ort, const OrtKernelI
     if (bf16 == 1 && !bf16_products_built()) {
       api.fail("BlockMatMul: bf16_products=1 needs a CPU with AVX-512 BF16; export the graph again on this machine");
     }
-    *kernel = new BlockMatMulKernel{api, k, n, bits, bf16 == 1 ? Products::kBFloat16 : Products::kFloat32};
+    *kernel = new BlockMatMulKernel{api, k, n, bits, products_of(bf16 == 1)};
     return nullptr;
   } catch (...) {
     return api.caught("BlockMatMul");

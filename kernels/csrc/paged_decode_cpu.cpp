@@ -53,6 +53,20 @@ inline void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
     for (int64_t j = 0; j < DIM; j += kLineElements) __builtin_prefetch(rows + t * stride + j, 0, 2);
 }
 
+// A head's running maximum after a tile, and the factor its earlier sums take. Most tiles have
+// no score above the maximum (`above` false): it stays, the factor is 1, and the tile's own
+// maximum (`tile_max()`, a horizontal reduction) is never taken. A head's first tile always
+// has one above: the maximum starts at -inf, and exp(-inf) = 0.
+struct MaxUpdate {
+  float max, correction;
+};
+template <typename TileMax>
+inline MaxUpdate update_max(float run_max, bool above, TileMax tile_max) {
+  if (!above) return {run_max, 1.f};
+  const float new_max = tile_max();
+  return {new_max, std::exp(run_max - new_max)};
+}
+
 // Where a block's keys and values lie: the tokens layout's rows of `stride` elements (one per
 // key, starting at the block's first key for this KV head); the paired layout's slabs (this KV
 // head's part of the block: K's pair rows of `stride` = block_size keys, V's key pairs of 2 x D).
@@ -273,14 +287,12 @@ struct Bf16DecodeTask {
     for (int64_t g = h0; g < h1; ++g) {
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, scores[g],
                                           _mm512_set1_ps(scale_));
-      // Most tiles have no score above the running maximum (a head's first tile always has: the
-      // maximum starts at -inf); then it stays, with no horizontal reduction and no rescaling.
-      float new_max = run_max[g];
-      if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(new_max), _CMP_GT_OQ) != 0) new_max = _mm512_reduce_max_ps(s);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-      correction[g] = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);  // exp(-inf) = 0 at the start
-      run_sums[g] = _mm512_fmadd_ps(run_sums[g], _mm512_set1_ps(correction[g]), e);
-      run_max[g] = new_max;
+      const MaxUpdate m = update_max(run_max[g], _mm512_cmp_ps_mask(s, _mm512_set1_ps(run_max[g]), _CMP_GT_OQ) != 0,
+                                     [&] { return _mm512_reduce_max_ps(s); });
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m.max))));
+      correction[g] = m.correction;
+      run_sums[g] = _mm512_fmadd_ps(run_sums[g], _mm512_set1_ps(m.correction), e);
+      run_max[g] = m.max;
       _mm512_store_ps(probs + g * kTile, e);
     }
   }
@@ -408,20 +420,17 @@ struct Fp32DecodeTask : DecodeTask<float, DIM> {
     const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     lo = _mm256_blendv_ps(minus_inf, lo, valid_lo);
     hi = _mm256_blendv_ps(minus_inf, hi, valid_hi);
-    // Most tiles have no score above the running maximum (a head's first tile always has: the
-    // maximum starts at -inf); then it stays, with no horizontal reduction.
     const __m256 tile_max = _mm256_max_ps(lo, hi);
-    float new_max = run_max[g];
-    if (_mm256_movemask_ps(_mm256_cmp_ps(tile_max, _mm256_set1_ps(new_max), _CMP_GT_OQ)) != 0)
-      new_max = horizontal(tile_max, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
-    const __m256 m = _mm256_set1_ps(new_max);
+    const MaxUpdate u = update_max(
+        run_max[g], _mm256_movemask_ps(_mm256_cmp_ps(tile_max, _mm256_set1_ps(run_max[g]), _CMP_GT_OQ)) != 0,
+        [&] { return horizontal(tile_max, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }); });
+    const __m256 m = _mm256_set1_ps(u.max);
     const __m256 e_lo = _mm256_and_ps(valid_lo, exp_nonpositive(_mm256_sub_ps(lo, m)));
     const __m256 e_hi = _mm256_and_ps(valid_hi, exp_nonpositive(_mm256_sub_ps(hi, m)));
-    // exp(-inf) = 0 at the start; most tiles leave the maximum as it was (no libm call then)
-    correction[g] = new_max == run_max[g] ? 1.f : std::exp(run_max[g] - new_max);
-    run_sum[g] = run_sum[g] * correction[g] +
+    correction[g] = u.correction;
+    run_sum[g] = run_sum[g] * u.correction +
                  horizontal(_mm256_add_ps(e_lo, e_hi), [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
-    run_max[g] = new_max;
+    run_max[g] = u.max;
     _mm256_store_ps(probs + g * kTile, e_lo);
     _mm256_store_ps(probs + g * kTile + 8, e_hi);
   }
