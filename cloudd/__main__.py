@@ -41,7 +41,9 @@ def _url_list(text: str) -> tuple[str, ...]:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="daemon TOML ([engine], [scheduler]); flags override it")
-    p.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--model", help="a known model name (python -m shared.model.fetch --list: fetched once) or a "
+                                   "GGUF file / HF folder (default: the config's [model] name, else the "
+                                   "embedded SmolLM2-135M)")
     p.add_argument("--dtype", choices=list(DTYPE_NAMES),
                    help="auto (default): bfloat16 on CUDA or a CPU with AVX-512 BF16/AMX, else float32")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -95,10 +97,21 @@ def _graphs_note(engine) -> str:
     return "off" if graphs is None else f"{len(graphs.buckets)} captured in {graphs.capture_seconds:.1f}s"
 
 
-def _model_path(args) -> Path:
-    from shared.model.fetch import ensure_default_model
+@dataclasses.dataclass(frozen=True)
+class ModelTable:
+    """The ``[model]`` table of cloudd's config: what the fleet tier serves."""
 
-    return args.model or ensure_default_model()
+    name: str = ""  # a known model name (fetched and checked once) or a GGUF file / HF folder; "" = the default
+
+
+def _model_path(args) -> Path:
+    """``--model``, else the config's ``[model] name``, else the embedded default model: a known
+    name is fetched (``shared.model.fetch.resolve_model``); ValueError for anything else."""
+    from shared.config import load_section
+    from shared.model.fetch import ensure_default_model, resolve_model
+
+    spec = args.model or (load_section(args.config, "model", ModelTable).name if getattr(args, "config", None) else "")
+    return resolve_model(spec) if spec else ensure_default_model()
 
 
 def cmd_bench(args) -> int:
