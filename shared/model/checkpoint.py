@@ -1,5 +1,7 @@
-"""A loaded model: config, float32 weights under HF names, and tokenizer -- whatever the file format."""
+"""A loaded model: config, lazily read float32 weights under HF names, and tokenizer -- whatever
+the file format."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,16 +18,22 @@ class Checkpoint:
     `weights` uses HF parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...), float32 on
     CPU, in torch layout ([out_features, in_features]). `lm_head.weight` is absent exactly when
     `config.tie_word_embeddings` is True: the output projection is `model.embed_tokens.weight`.
+
+    `weights` is a `LazyWeights` (shared.model.lazy_weights) over the file: every access reads
+    (a GGUF's: dequantizes) that one tensor and returns a new tensor, kept by no one else. Read
+    each weight once and put it where it goes; `build_model` reads each straight into the
+    model's dtype. Keys, `len` and iteration read nothing.
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
 
 
 def load_checkpoint(path: Path | str) -> Checkpoint:
-    """Load a `.gguf` file or a HF folder (one holding `config.json`).
+    """Load a `.gguf` file or a HF folder (one holding `config.json`): its config and tokenizer
+    now, its weights when read.
 
     Raises FileNotFoundError when `path` does not exist, ValueError when it is neither.
     """

@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF file: config from metadata, dequantized weights under HF names, tokenizer.
+"""Load a llama.cpp GGUF file: config from metadata, lazily dequantized weights under HF names, tokenizer.
 
 Supported: general.architecture "llama" / "qwen2"; tokenizer.ggml.model "gpt2" (byte-level BPE)
 and "llama" (sentencepiece-style BPE with byte fallback).
@@ -9,6 +9,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
 from shared.model.checkpoint import Checkpoint
+from shared.model.lazy_weights import LazyWeights, TensorSource
 from shared.model.model_config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 
@@ -44,18 +46,15 @@ _SUPPORTED_ARCHS = ("llama", "qwen2")
 
 
 def load_gguf(path: Path) -> Checkpoint:
-    """Read a GGUF file fully into memory as a float32 Checkpoint. ValueError for unsupported files."""
+    """A GGUF file's config and tokenizer, its weights read lazily (dequantized to float32 when
+    accessed, one tensor at a time). ValueError for unsupported files."""
     metadata, tensors = read_gguf(path)
     config = read_config(metadata, {t.name for t in tensors})
-    weights = {}
+    sources = {}
     for tensor in tensors:
         name = hf_tensor_name(tensor.name)
-        array = gguf.quants.dequantize(tensor.data, tensor.kind)  # [*rows, cols], torch layout
-        if not array.flags.writeable:  # an F32 view straight into the read-only mapping
-            array = array.copy()
-        weight = torch.from_numpy(array).float()
-        weights[name] = unpermute_rope(weight, name, config)
-    return Checkpoint(config=config, weights=weights, tokenizer=build_tokenizer(metadata), source=path)
+        sources[name] = TensorSource(tensor.shape, partial(dequantize_into, tensor, name, config))
+    return Checkpoint(config=config, weights=LazyWeights(sources), tokenizer=build_tokenizer(metadata), source=path)
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,42 @@ class GGUFTensor:
     name: str
     kind: gguf.GGMLQuantizationType
     data: np.ndarray  # [*rows, bytes_per_row] uint8, a view of the memory-mapped file
+    mapping: mmap.mmap  # the whole file, which `data` views
+    offset: int  # where `data` starts in `mapping`
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dequantized tensor's shape, torch order: [*rows, cols]."""
+        block_size, type_size = gguf.GGML_QUANT_SIZES[self.kind]
+        return (*self.data.shape[:-1], self.data.shape[-1] // type_size * block_size)
+
+    def release(self) -> None:
+        """Take this tensor's pages out of the process's resident memory (they stay in the page
+        cache, and `data` stays valid: a later read faults them in again)."""
+        start = self.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, self.offset + self.data.nbytes - start)
+
+
+# Float32 values dequantized per chunk: gguf's numpy dequantizers make a few temporaries the
+# size of their input, so a whole 150k x 1536 embedding would cost GBs of them.
+_CHUNK_VALUES = 1 << 22
+
+
+def dequantize_into(tensor: GGUFTensor, name: str, config: ModelConfig, out: torch.Tensor) -> None:
+    """Dequantize `tensor` (HF name `name`) into `out` [*tensor.shape] (contiguous, any float
+    dtype), q/k rows un-permuted, a chunk of rows at a time; then drop the tensor's file pages
+    from this process's resident memory."""
+    data = tensor.data.reshape(-1, tensor.data.shape[-1])  # [rows, bytes_per_row]
+    rows_out = out.view(-1, out.shape[-1])  # [rows, cols]
+    # NOTE: whole heads per chunk (a multiple of head_dim rows): unpermute_rope works per head
+    step = max(1, _CHUNK_VALUES // out.shape[-1] // config.head_dim) * config.head_dim
+    for start in range(0, len(data), step):
+        array = gguf.quants.dequantize(data[start:start + step], tensor.kind)  # [chunk rows, cols]
+        if not array.flags.writeable:  # an F32 view straight into the read-only mapping
+            array = array.copy()
+        chunk = torch.from_numpy(array).view(-1, *out.shape[1:])  # [chunk rows, cols]; a 1-D tensor's: [cols]
+        rows_out[start:start + len(array)].copy_(unpermute_rope(chunk, name, config).view(len(array), -1))
+    tensor.release()
 
 
 # GGUF value types (gguf.GGUFValueType) with a fixed width -> struct format / numpy dtype
@@ -99,19 +134,18 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
         infos.append((name, dims, gguf.GGMLQuantizationType(cursor.scalar("<I")), cursor.scalar("<Q")))
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     data_start = -(-cursor.pos // alignment) * alignment
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    return metadata, [_tensor(raw, data_start, *info) for info in infos]
+    return metadata, [_tensor(buf, data_start, *info) for info in infos]
 
 
-def _tensor(raw: np.ndarray, data_start: int, name: str, dims: list[int],
+def _tensor(buf: mmap.mmap, data_start: int, name: str, dims: list[int],
             kind: gguf.GGMLQuantizationType, offset: int) -> GGUFTensor:
     # dims is GGUF `ne` order (fastest first); numpy/torch order is the reverse.
     block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
     row_bytes = dims[0] // block_size * type_size
     rows = list(reversed(dims[1:]))
     start = data_start + offset
-    data = raw[start:start + row_bytes * int(np.prod(rows, dtype=np.int64))].reshape(*rows, row_bytes)
-    return GGUFTensor(name=name, kind=kind, data=data)
+    data = np.frombuffer(buf, np.uint8, row_bytes * int(np.prod(rows, dtype=np.int64)), start).reshape(*rows, row_bytes)
+    return GGUFTensor(name=name, kind=kind, data=data, mapping=buf, offset=start)
 
 
 class _Cursor:
@@ -194,14 +228,13 @@ def unpermute_rope(weight: torch.Tensor, name: str, config: ModelConfig) -> torc
     convert_hf_to_gguf.py permutes each head's rows from HF's rotate-half order
     [x0..x(d/2-1), x(d/2)..x(d-1)] to interleaved pairs [x0, x(d/2), x1, x(d/2+1), ...]:
     per head, rows are viewed as [2, d/2] and transposed to [d/2, 2]. Here the reverse.
-    Qwen2 files are written unpermuted.
+    Qwen2 files are written unpermuted. `weight` may be any run of whole heads' rows.
     """
     if config.arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
         return weight
-    heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
     rest = weight.shape[1:]
     # weight: [heads * head_dim, ...] -> [heads, head_dim/2, 2, ...] -> [heads, 2, head_dim/2, ...]
-    per_head = weight.reshape(heads, config.head_dim // 2, 2, *rest)
+    per_head = weight.reshape(-1, config.head_dim // 2, 2, *rest)
     return per_head.transpose(1, 2).reshape(weight.shape).contiguous()
 
 

@@ -1,42 +1,51 @@
 """Load a HF model folder: config.json, *.safetensors, tokenizer.json and friends."""
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from shared.model.checkpoint import Checkpoint
+from shared.model.lazy_weights import LazyWeights, TensorSource
 from shared.model.model_config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 
 
 def load_hf_folder(path: Path) -> Checkpoint:
-    """Read a HF folder fully into memory as a float32 Checkpoint.
+    """A HF folder's config and tokenizer, its weights read lazily (float32 when accessed).
 
     Weights keep their HF names. A folder without `lm_head.weight` is tied, whatever config.json
     says. Raises ValueError naming the missing file when there are no safetensors or no tokenizer.json.
     """
     config = ModelConfig.from_hf_dict(_read_json(path / "config.json"))
-    weights = read_weights(path)
-    if "lm_head.weight" not in weights and not config.tie_word_embeddings:
+    sources = read_weights(path)
+    if "lm_head.weight" not in sources and not config.tie_word_embeddings:
         config = ModelConfig(**{**config.__dict__, "tie_word_embeddings": True})
     if config.tie_word_embeddings:
         # NOTE: tied checkpoints sometimes still store lm_head; the contract is "absent iff tied".
-        weights.pop("lm_head.weight", None)
-    return Checkpoint(config=config, weights=weights, tokenizer=read_tokenizer(path), source=path)
+        sources.pop("lm_head.weight", None)
+    return Checkpoint(config=config, weights=LazyWeights(sources), tokenizer=read_tokenizer(path), source=path)
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of all `*.safetensors` in the folder, cast to float32."""
+def read_weights(path: Path) -> dict[str, TensorSource]:
+    """Every tensor of every `*.safetensors` in the folder, to be read (and converted) when asked."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, TensorSource] = {}
     for file in files:
-        weights.update({name: tensor.float() for name, tensor in load_file(file).items()})
-    return weights
+        handle = safe_open(file, framework="pt")
+        for name in handle.keys():
+            shape = tuple(handle.get_slice(name).get_shape())
+            sources[name] = TensorSource(shape, partial(_read_into, handle, name))
+    return sources
+
+
+def _read_into(handle: Any, name: str, out: torch.Tensor) -> None:
+    out.copy_(handle.get_tensor(name))
 
 
 def read_tokenizer(path: Path) -> Tokenizer:

@@ -18,6 +18,7 @@ from torch import nn
 
 from typing import Protocol
 
+from shared.model.lazy_weights import tensor_source
 from shared.model.model_config import ModelConfig, RopeScaling
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim // 2] in the model's dtype
@@ -309,12 +310,25 @@ class LlamaModel(nn.Module):
         return scores if dtype is None else scores.to(dtype)
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. Raises KeyError naming a missing one."""
+        """Copy HF-named weights in, each read once straight into its rows of this model's
+        parameter (q/k/v and gate/up stacked), converted to the parameter's dtype: no fused or
+        float32 copy of a whole model is made. Raises KeyError naming a missing weight,
+        ValueError naming one whose shape does not fit."""
         own = self.state_dict()
-        for name, tensor in _fuse_hf_weights(weights, self.config).items():
-            if name not in own:
-                raise KeyError(f"unexpected weight {name!r} for {self.config.arch}")
-            own[name].copy_(tensor)
+        sources = parameter_sources(self.config)
+        assert set(sources) | ({"lm_head.weight"} if self.config.tie_word_embeddings else set()) == set(own)
+        for name, hf_names in sources.items():
+            target, row = own[name], 0
+            for hf_name in hf_names:  # | q rows | k rows | v rows |, | gate rows | up rows |
+                source = tensor_source(weights, hf_name)
+                rows = target[row : row + source.shape[0]]
+                if tuple(rows.shape) != source.shape:
+                    raise ValueError(f"{hf_name} {list(source.shape)} does not fit rows {row}.. of {name} "
+                                     f"{list(target.shape)}")
+                source.read_into(rows)
+                row += source.shape[0]
+            if row != len(target):
+                raise ValueError(f"{name}: its HF weights {hf_names} fill {row} of its {len(target)} rows")
 
 
 def projection_sources(config: ModelConfig) -> dict[str, list[str]]:
@@ -330,37 +344,43 @@ def projection_sources(config: ModelConfig) -> dict[str, list[str]]:
     return sources
 
 
-def _fuse_hf_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig):
-    """HF parameter names -> this module's names (q/k/v and gate/up concatenated)."""
-    fused: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": weights["model.embed_tokens.weight"],
-        "norm.weight": weights["model.norm.weight"],
-    }
-    for module, sources in projection_sources(config).items():
-        if module == "lm_head" and config.tie_word_embeddings:
-            continue  # the embeddings' own tensor
-        parts = [weights[name] for name in sources]
-        fused[module + ".weight"] = torch.cat(parts) if len(parts) > 1 else parts[0]
+def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Every parameter of this model -> the HF weights stacked along its rows to make it. A tied
+    LM head is left out: it is the embeddings' parameter."""
+    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    for module, hf_names in projection_sources(config).items():
+        if not (module == "lm_head" and config.tie_word_embeddings):
+            sources[module + ".weight"] = hf_names
     for i in range(config.num_layers):
         hf, own = f"model.layers.{i}.", f"layers.{i}."
         if config.attention_bias:
-            fused[own + "self_attn.qkv_proj.bias"] = torch.cat(
-                [weights[f"{hf}self_attn.{p}_proj.bias"] for p in "qkv"]
-            )
+            sources[own + "self_attn.qkv_proj.bias"] = [f"{hf}self_attn.{p}_proj.bias" for p in "qkv"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            fused[f"{own}{norm}.weight"] = weights[f"{hf}{norm}.weight"]
-    return fused
+            sources[f"{own}{norm}.weight"] = [f"{hf}{norm}.weight"]
+    return sources
+
+
+def meta_model(config: ModelConfig, dtype: torch.dtype) -> LlamaModel:
+    """The model's structure in ``dtype`` on the meta device: its parameters' names, shapes and
+    dtype, and no memory."""
+    with torch.device("meta"):
+        return LlamaModel(config).to(dtype)
 
 
 def build_model(
     config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> LlamaModel:
-    """A ready-to-run model in eval mode with the given HF-named weights."""
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model = model.to_empty(device="cpu")
-    model.rotary = RotaryEmbedding(config)  # buffers are computed, not loaded
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    """A ready-to-run model in eval mode on the CPU, its parameters in ``dtype`` holding the
+    given HF-named weights (``load_hf_weights``: each read once, straight into ``dtype``)."""
+    model = meta_model(config, dtype).to_empty(device="cpu")
     model.load_hf_weights(weights)
-    return model.to(dtype).eval()
+    return finish_model(model)
+
+
+def finish_model(model: LlamaModel) -> LlamaModel:
+    """``model`` (its parameters on the CPU, in one dtype) with its rotary tables computed in that
+    dtype, its LM head tied to the embeddings when the config says so, in eval mode."""
+    model.rotary = RotaryEmbedding(model.config).to(model.embed_tokens.weight.dtype)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
