@@ -40,8 +40,8 @@ from shared.engine.grammar.response_format import fleet_plan_format
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
-from shared.model.checkpoint import Checkpoint, load_checkpoint
-from shared.model.llama import build_model
+from shared.model.checkpoint import Checkpoint
+from shared.model.weight_cache import load_model
 from shared.engine.step_profile import matmul_peak_flops
 from shared.progress import Progress
 
@@ -116,8 +116,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
     peer = _vllm_peer(opts) if "vllm" in opts.baselines else None
     if peer is not None:  # NOTE: before any engine run: a missing peer fails at once, not after an hour
         peer.check(opts.engine.dtype_choice.name)
-    ckpt = load_checkpoint(opts.model)
-    model = build_model(ckpt.config, ckpt.weights, dtype=opts.engine.torch_dtype)
+    model, ckpt = load_model(opts.model, opts.engine.torch_dtype)
     base, working_set = _size_pools(opts, ckpt, requests, log)
     peak = _matmul_peak(opts, log) if opts.profile else None
     runs = {}

@@ -29,7 +29,8 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import Checkpoint
-from shared.model.llama import LlamaModel, build_model
+from shared.model.llama import LlamaModel
+from shared.model.weight_cache import build_cached_model
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,11 @@ def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str
     start = time.perf_counter()
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     log(f"greedy, float32 (reference), {len(prompts)} requests x {tokens} tokens ...")
-    reference = _greedy(ckpt, build_model(ckpt.config, ckpt.weights, dtype=torch.float32), prompts, tokens,
+    reference = _greedy(ckpt, build_cached_model(ckpt, torch.float32), prompts, tokens,
                         dataclasses.replace(config, dtype="float32"))
     log(f"greedy, {dtype} ...")
     compared_config = dataclasses.replace(config, dtype=dtype)
-    model = build_model(ckpt.config, ckpt.weights, dtype=compared_config.torch_dtype)
+    model = build_cached_model(ckpt, compared_config.torch_dtype)
     compared = _greedy(ckpt, model, prompts, tokens, compared_config)
     prefixes = [common_prefix_len(a, b) / tokens for a, b in zip(compared, reference, strict=True)]
     log(f"teacher-forced top-1, {dtype} ...")

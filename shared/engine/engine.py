@@ -42,10 +42,10 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import SchedulerOutput
 from shared.engine.step_profile import StepProfile, maybe_phase
-from shared.model.checkpoint import load_checkpoint
 from shared.model.fingerprint import weights_fingerprint
-from shared.model.llama import LlamaModel, build_model
+from shared.model.llama import LlamaModel
 from shared.model.tokenizer import Tokenizer
+from shared.model.weight_cache import load_model
 from shared.protocol.messages import Priority
 
 Messages = Sequence[Mapping[str, str]]
@@ -183,9 +183,10 @@ class Engine:
         self.profile: StepProfile | None = None
 
     @classmethod
-    def from_checkpoint(cls, path: Path | str, config: EngineConfig = EngineConfig()) -> "Engine":
-        ckpt = load_checkpoint(path)
-        model = build_model(ckpt.config, ckpt.weights, dtype=config.torch_dtype)
+    def from_checkpoint(cls, path: Path | str, config: EngineConfig = EngineConfig(), cache: bool = True) -> "Engine":
+        """The engine over the model at ``path``; a GGUF's converted weights cached unless not
+        ``cache`` (``shared.model.weight_cache.load_model``)."""
+        model, ckpt = load_model(path, config.torch_dtype, cache=cache)
         return cls(model, ckpt.tokenizer, config)
 
     # --- requests -----------------------------------------------------------------------------
