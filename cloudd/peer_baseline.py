@@ -33,13 +33,25 @@ class PeerUnavailable(RuntimeError):
     """The peer is not set up; the message says how to set it up."""
 
 
+def hf_folder_name(model: Path) -> str:
+    """The name ``vllm-cpu/setup.sh GGUF NAME`` is given for ``model`` (its folder is
+    ``$PEERS_DIR/models/NAME``): a known model's registry name (``shared.model.fetch``) plus
+    ``-hf`` (``smollm2-135m-hf``, ``qwen2.5-coder-1.5b-hf``), else the file's stem plus ``-hf``."""
+    from shared.model.fetch import MODELS
+
+    names = {package.filename: name for name, package in MODELS.items()}
+    return f"{names.get(model.name, model.stem)}-hf"
+
+
 @dataclass(frozen=True)
 class VllmPeer:
     """Where the peer's script (``scripts``: the peers folder) and its install (``install``:
-    ``$PEERS_DIR``) are; nothing is checked until ``check``."""
+    ``$PEERS_DIR``) are, and the GGUF the engine runs (``gguf``: the peer runs the HF folder
+    setup.sh made from it); nothing is checked until ``check``."""
 
     scripts: Path
     install: Path
+    gguf: Path
 
     @property
     def script(self) -> Path:
@@ -54,9 +66,9 @@ class VllmPeer:
         return self.install / "vllm" / "bin" / "python"
 
     def model(self, dtype: str) -> Path:
-        """The HF folder setup.sh made from the default GGUF, in ``dtype`` (so both engines run
+        """The HF folder setup.sh made from the engine's GGUF, in ``dtype`` (so both engines run
         the same weights: fp32 beside bf16/)."""
-        folder = self.install / "models" / "smollm2-135m-hf"
+        folder = self.install / "models" / hf_folder_name(self.gguf)
         return folder / "bf16" if dtype == "bfloat16" else folder
 
     def check(self, dtype: str = "bfloat16") -> None:
@@ -71,7 +83,8 @@ class VllmPeer:
         if missing:
             raise PeerUnavailable(
                 f"--baseline vllm: the vLLM peer is not set up: missing {' and '.join(missing)}. "
-                f"Set it up with `PEERS_DIR={self.install} bash {_shown(self.setup_script)}` in the repo root "
+                f"Set it up with `PEERS_DIR={self.install} bash {_shown(self.setup_script)} {self.gguf} "
+                f"{hf_folder_name(self.gguf)}` in the repo root "
                 f"({self.setup_script}; about 5 min and 3.4 GB, once), then run the bench again")
 
     def command(self, trace: Path, output_len: int, dtype: str) -> list[str]:

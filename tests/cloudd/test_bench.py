@@ -94,17 +94,20 @@ print("INFO vllm noise on stdout")
 print("INFO vllm log on stderr", file=sys.stderr)
 n = sum(1 for line in open(args.trace) if line.strip())
 out = n * int(args.output_len)
-assert args.model.endswith("smollm2-135m-hf"), args.model
+assert "/models/tiny-hf" in args.model and args.model.endswith("-hf"), args.model  # the HF folder made from the engine's model
 print(json.dumps({"wall_s": 2.0, "requests": n, "prompt_tokens": 100 * n, "output_tokens": out,
                   "output_tok_s": out / 2.0, "total_tok_s": (100 * n + out) / 2.0, "prefix_hit_rate": 0.5,
                   "engine": "fake-vllm", "dtype": args.dtype, "trace": args.trace}))
 '''
 
 
-def _fake_peer(tmp_path, script: str = FAKE_OFFLINE, model: bool = True):
+def _fake_peer(tmp_path, script: str = FAKE_OFFLINE, model: Path | None = None):
     """A peers folder holding ``script`` as vllm-cpu/offline.py, and a PEERS_DIR whose venv's
-    python is this interpreter; (--peers-dir, PEERS_DIR)."""
+    python is this interpreter, with the HF folders setup.sh would make for ``model``;
+    (--peers-dir, PEERS_DIR)."""
     import sys
+
+    from cloudd.peer_baseline import hf_folder_name
 
     scripts, install = tmp_path / "peers", tmp_path / "installed"
     (scripts / "vllm-cpu").mkdir(parents=True)
@@ -112,15 +115,16 @@ def _fake_peer(tmp_path, script: str = FAKE_OFFLINE, model: bool = True):
     (scripts / "vllm-cpu" / "setup.sh").write_text("exit 0\n")
     (install / "vllm" / "bin").mkdir(parents=True)
     (install / "vllm" / "bin" / "python").symlink_to(sys.executable)
-    if model:  # as setup.sh leaves them: fp32, and bf16/ inside it
-        (install / "models" / "smollm2-135m-hf" / "bf16").mkdir(parents=True)
+    if model is not None:  # as setup.sh leaves them: fp32, and bf16/ inside it
+        hf = install / "models" / hf_folder_name(model)
+        (hf / "bf16").mkdir(parents=True)
         for folder in ("", "bf16"):
-            (install / "models" / "smollm2-135m-hf" / folder / "config.json").write_text("{}")
+            (hf / folder / "config.json").write_text("{}")
     return scripts, install
 
 
 def test_bench_vllm_peer_is_a_run_with_the_same_keys_and_a_ratio(tiny_folder, tmp_path, monkeypatch, capsys):
-    scripts, install = _fake_peer(tmp_path)
+    scripts, install = _fake_peer(tmp_path, model=tiny_folder)
     monkeypatch.setenv("PEERS_DIR", str(install))
     args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--robots", "2",
             "--output-len", "3", "--num-blocks", "512", "--dtype", "float32", "--baseline", "vllm",
@@ -139,10 +143,11 @@ def test_bench_vllm_peer_is_a_run_with_the_same_keys_and_a_ratio(tiny_folder, tm
 
 
 def test_bench_vllm_peer_not_set_up_fails_before_any_engine_run(tmp_path, monkeypatch, capsys):
-    scripts, install = _fake_peer(tmp_path, model=False)
+    scripts, install = _fake_peer(tmp_path)
     monkeypatch.setenv("PEERS_DIR", str(install))
-    # NOTE: no such model: the peer check must fail first, before the engine loads anything
-    args = ["bench", "--model", str(tmp_path / "no-model"), "--trace", str(bundled_trace()), "--limit", "2",
+    # NOTE: not a model: the peer check must fail first, before the engine loads anything
+    (tmp_path / "not-a-model.gguf").write_bytes(b"")
+    args = ["bench", "--model", str(tmp_path / "not-a-model.gguf"), "--trace", str(bundled_trace()), "--limit", "2",
             "--baseline", "hf,vllm", "--peers-dir", str(scripts), "--json", "--no-compile"]
     assert main(args) == 2
     captured = capsys.readouterr()
@@ -157,7 +162,7 @@ def test_bench_vllm_peer_missing_python_names_the_setup_script(tmp_path, monkeyp
     scripts = tmp_path / "peers"  # the scripts are there; the peer's venv and model are not
     (scripts / "vllm-cpu").mkdir(parents=True)
     (scripts / "vllm-cpu" / "offline.py").write_text("")
-    peer = VllmPeer(scripts=scripts, install=tmp_path / "install")
+    peer = VllmPeer(scripts=scripts, install=tmp_path / "install", gguf=tmp_path / "qwen.gguf")
     with pytest.raises(PeerUnavailable, match=r"missing the vLLM venv.s python .* and the model folder") as e:
         peer.check()
     assert "bash " in str(e.value) and str(scripts / "vllm-cpu" / "setup.sh") in str(e.value)
@@ -165,13 +170,25 @@ def test_bench_vllm_peer_missing_python_names_the_setup_script(tmp_path, monkeyp
 
 def test_bench_vllm_peer_failure_shows_the_end_of_its_log(tiny_folder, tmp_path, monkeypatch, capsys):
     scripts, install = _fake_peer(tmp_path, "import sys\nprint('RuntimeError: no AVX-512', file=sys.stderr)\n"
-                                            "sys.exit(3)\n")
+                                            "sys.exit(3)\n", model=tiny_folder)
     monkeypatch.setenv("PEERS_DIR", str(install))
     args = ["bench", "--model", str(tiny_folder), "--trace", str(bundled_trace()), "--limit", "2",
             "--baseline", "vllm", "--peers-dir", str(scripts), "--json", "--no-compile"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "offline.py exited with 3" in err and "RuntimeError: no AVX-512" in err
+
+
+def test_the_peer_runs_the_hf_folder_setup_made_from_the_engines_gguf(tmp_path):
+    from cloudd.peer_baseline import VllmPeer, hf_folder_name
+    from shared.model.fetch import MODELS
+
+    assert hf_folder_name(Path("/c") / MODELS["qwen2.5-coder-1.5b"].filename) == "qwen2.5-coder-1.5b-hf"
+    assert hf_folder_name(Path("/c") / MODELS["smollm2-135m"].filename) == "smollm2-135m-hf"
+    assert hf_folder_name(Path("/elsewhere/my-model.Q8_0.gguf")) == "my-model.Q8_0-hf"
+    peer = VllmPeer(scripts=tmp_path, install=tmp_path / "i", gguf=Path("/c") / MODELS["qwen2.5-coder-1.5b"].filename)
+    assert peer.model("bfloat16") == tmp_path / "i" / "models" / "qwen2.5-coder-1.5b-hf" / "bf16"
+    assert peer.model("float32") == tmp_path / "i" / "models" / "qwen2.5-coder-1.5b-hf"
 
 
 def test_peer_json_is_the_last_json_line_with_the_throughput_keys():
