@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from robot_sdk.errors import Cancelled, DeadlineExceeded, InvalidPlan, Unavailable, error_from_reply
-from robot_sdk.plan_budget import steps_that_fit
+from robot_sdk.plan_budget import max_plan_tokens, steps_that_fit
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
 from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStepEvent, PlanText
 from robot_sdk.scene import Scene
@@ -36,6 +36,7 @@ from shared.transport.curve import ClientCurve
 
 DEADLINE_GRACE_S = 0.5  # past deadline_ms, how long to wait for the daemon's own deadline reply
 DEFAULT_MAX_STEPS = 8  # the daemon's default for a skills plan
+SCHEMA_MAX_TOKENS = 384  # a schema= plan's default max_tokens: an arbitrary schema has no known bound
 SkillLike = Skill | Callable[..., Any] | type
 
 
@@ -79,15 +80,20 @@ class PlanClient:
     def plan(self, task: str, scene: Scene | Mapping[str, Any] | str | None = None,
              skills: Sequence[SkillLike] | None = None, schema: Mapping[str, Any] | None = None,
              priority: Priority | str = "plan", deadline_ms: int | None = None,
-             escalation: Escalation | str = "auto", max_tokens: int = 384, request_id: str | None = None,
+             escalation: Escalation | str = "auto", max_tokens: int | None = None, request_id: str | None = None,
              max_steps: int = DEFAULT_MAX_STEPS, tags: Sequence[str] = ()) -> Plan:
         """A plan for ``task`` over ``skills`` (or matching the JSON ``schema``), validated.
         ``tags`` name the kind of task; edged escalates the tags its config lists. A skill
         argument of a scene kind (``Place``, ``Thing``, ``Person``) can name only what ``scene``
         (a ``Scene``, or a dict of its fields) names of that kind: the daemon's grammar allows
-        nothing else and the plan is checked against it. The grammar allows as many steps (up
-        to ``max_steps``) as ``max_tokens`` surely holds (``robot_sdk.plan_budget``), so a plan
-        always closes; ValueError when not even one step fits.
+        nothing else and the plan is checked against it.
+
+        ``max_tokens`` None (the default) is room for ``max_steps`` complete steps of these
+        skills in this scene, whatever the model's tokenizer (``plan_budget.max_plan_tokens``),
+        so no default cuts a plan short; for a ``schema`` plan it is ``SCHEMA_MAX_TOKENS``. A
+        given ``max_tokens`` sets the grammar's step bound: as many steps (up to ``max_steps``)
+        as it surely holds (``plan_budget.steps_that_fit``), so a plan always closes;
+        ValueError when not even one step fits.
 
         Raises DeadlineExceeded, Rejected, Unavailable, InvalidPlan (the answer breaks the skills,
         or max_tokens ran out first), InvalidRequest or Cancelled; ValueError/TypeError for bad
@@ -100,7 +106,7 @@ class PlanClient:
     def stream(self, task: str, scene: Scene | Mapping[str, Any] | str | None = None,
                skills: Sequence[SkillLike] | None = None, schema: Mapping[str, Any] | None = None,
                priority: Priority | str = "plan", deadline_ms: int | None = None,
-               escalation: Escalation | str = "auto", max_tokens: int = 384, request_id: str | None = None,
+               escalation: Escalation | str = "auto", max_tokens: int | None = None, request_id: str | None = None,
                max_steps: int = DEFAULT_MAX_STEPS, tags: Sequence[str] = ()) -> Iterator[PlanEvent]:
         """``plan`` as events: ``PlanText`` per text delta, ``PlanStepEvent`` as soon as each
         step is complete (already validated), and last ``PlanDone`` with the whole plan.
@@ -215,6 +221,8 @@ class PlanClient:
             scene = Scene.from_mapping(scene)
         grounded = tuple(s.grounded(scene if isinstance(scene, Scene) else None) for s in declared) \
             if declared is not None else None
+        if max_tokens is None:  # room for max_steps complete steps: a default never cuts a plan
+            max_tokens = max_plan_tokens(grounded, max_steps) if grounded is not None else SCHEMA_MAX_TOKENS
         _positive(max_tokens, "max_tokens")
         # the grammar's step bound: as many steps as max_tokens surely holds, so a plan always closes
         steps = steps_that_fit(grounded, max_steps, max_tokens) if grounded is not None else max_steps

@@ -1,13 +1,17 @@
 """How many tokens a complete skills plan can take at most, so that a request's ``max_tokens``
-always holds the plan it asks for (a plan cut short is an ``InvalidPlan``).
+always holds the plan it asks for (a plan cut short is an ``InvalidPlan``). ``max_plan_tokens(
+skills, max_steps)`` is ``PlanClient``'s (and the ROS node's) default ``max_tokens``.
 
 The daemon's grammar (``shared/engine/grammar/response_format``, compact JSON: ``", "`` and
 ``": "`` separators) bounds every value: an enum by its longest value, free text by
 ``MAX_STRING_CHARS``, a number within +-``MAX_NUMBER`` by its sign, five digits, a point and
 six decimals (the grammar engine's precision for a bounded number), ``confidence`` by eight
-characters. A token is at least one byte, so a plan's UTF-8 bytes bound its tokens, whatever
-the model does (a small model can spell a value one character per token). The end-of-text
-token counts one more.
+characters. Every token a grammar allows is at least one byte (the empty ones, special tokens,
+never are), so a plan's UTF-8 bytes bound its tokens under any tokenizer, whatever the model
+does (a small model can spell a value one character per token). The end-of-text token counts
+one more. The bound is loose for real text: the longest eight-step warehouse plan is 675
+tokens at one a byte, 392 as SmolLM2-135M's tokenizer spells it and 374 as Qwen2.5-Coder's
+(end-of-text included; tests/sdk/test_plan_budget.py checks both on every bundled skill set).
 """
 
 from __future__ import annotations

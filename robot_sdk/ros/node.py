@@ -62,8 +62,8 @@ PARAMETERS: dict[str, Any] = {
     "default_priority": "plan",
     "default_deadline_ms": 0,
     "default_escalation": "auto",
-    "max_tokens": 384,
-    "max_max_tokens": 2048,
+    "max_tokens": 0,  # a goal's default; 0: room for max_steps (8) complete steps of its skills in its scene
+    "max_max_tokens": 2048,  # the most a goal may ask for (a derived default is not capped)
     "max_task_chars": 2000,
     "max_scene_chars": 16000,
     "diagnostics_period_s": 1.0,

@@ -29,7 +29,7 @@ class PlanDefaults:
     priority: str = "plan"
     deadline_ms: int = 0  # 0: none
     escalation: str = "auto"
-    max_tokens: int = 384
+    max_tokens: int = 0  # 0: each plan's own, room for max_steps complete steps (PlanClient's default)
     max_max_tokens: int = 2048  # a goal may ask for at most this many
     max_task_chars: int = 2000
     max_scene_chars: int = 16000
@@ -43,7 +43,7 @@ class PlanDefaults:
             raise ValueError(f"default_escalation: {self.escalation!r} is not one of {ESCALATIONS}")
         for name in ("deadline_ms", "max_tokens", "max_max_tokens", "max_task_chars", "max_scene_chars"):
             value = getattr(self, name)
-            if value < (0 if name == "deadline_ms" else 1):
+            if value < (0 if name in ("deadline_ms", "max_tokens") else 1):
                 raise ValueError(f"{_param(name)}: {value} is out of range")
         if self.max_tokens > self.max_max_tokens:
             raise ValueError(f"max_tokens: {self.max_tokens} exceeds max_max_tokens={self.max_max_tokens}")
@@ -61,7 +61,7 @@ class PlanArgs:
     priority: str
     deadline_ms: int | None
     escalation: str
-    max_tokens: int
+    max_tokens: int | None  # None: PlanClient's default, room for max_steps complete steps
 
     def client_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``PlanClient.plan``/``stream`` (request_id aside)."""
@@ -88,8 +88,8 @@ def plan_args(goal: Any, defaults: PlanDefaults, skill_sets: Mapping[str, tuple[
     escalation = goal.escalation or defaults.escalation
     if escalation not in ESCALATIONS:
         raise ValueError(f"escalation: {escalation!r} is not one of {ESCALATIONS}")
-    max_tokens = getattr(goal, "max_tokens", 0) or defaults.max_tokens
-    if max_tokens > defaults.max_max_tokens:
+    max_tokens = getattr(goal, "max_tokens", 0) or defaults.max_tokens or None
+    if max_tokens is not None and max_tokens > defaults.max_max_tokens:
         raise ValueError(f"max_tokens: {max_tokens} is over max_max_tokens={defaults.max_max_tokens}")
     deadline_ms = goal.deadline_ms or defaults.deadline_ms or None
     return PlanArgs(task, scene, None if schema is not None else skill_sets[skills_id], schema, skills_id,

@@ -67,8 +67,21 @@ SETS = load_skill_sets()
 def test_empty_fields_take_the_node_defaults():
     args = plan_args(goal(), PlanDefaults(skills="amr", deadline_ms=500), SETS)
     assert (args.skills_id, args.priority, args.escalation, args.max_tokens, args.deadline_ms) == \
-        ("amr", "plan", "auto", 384, 500)
+        ("amr", "plan", "auto", None, 500)
     assert [s.name for s in args.skills][:3] == ["goto", "dock", "undock"] and args.schema is None
+
+
+def test_max_tokens_left_at_zero_is_the_clients_own_room_for_max_steps_complete_steps():
+    """The independent client's five-step warehouse task was cut at four steps by a default of
+    384: with 0 (the default) PlanClient sizes it for max_steps steps of the goal's skills."""
+    warehouse = goal(skills="warehouse", scene_places=["waypoint 17", "packing station"], scene_objects=["tote 12"])
+    assert PlanDefaults().max_tokens == 0
+    PlanDefaults().check(SETS)
+    assert plan_args(warehouse, PlanDefaults(), SETS).client_kwargs()["max_tokens"] is None
+    assert plan_args(warehouse, PlanDefaults(max_tokens=500), SETS).max_tokens == 500  # an operator's default
+    assert plan_args(goal(max_tokens=2048), PlanDefaults(), SETS).max_tokens == 2048  # a goal's own, up to the cap
+    with pytest.raises(ValueError, match="max_tokens: -1 is out of range"):
+        PlanDefaults(max_tokens=-1).check(SETS)
 
 
 def test_goal_fields_override_the_defaults():

@@ -10,8 +10,11 @@ from typing import Literal
 
 import pytest
 
-from robot_sdk import (AsyncPlanClient, Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, PlanClient,
-                       PlanDone, PlanError, PlanStep, PlanStepEvent, PlanText, Rejected, Unavailable, skill)
+from robot_sdk import (AsyncPlanClient, Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, Place, PlanClient,
+                       PlanDone, PlanError, PlanStep, PlanStepEvent, PlanText, Rejected, Scene, Unavailable, skill)
+from robot_sdk.client import SCHEMA_MAX_TOKENS
+from robot_sdk.plan_budget import max_plan_tokens
+from robot_sdk.skills import as_skills
 from shared.protocol.messages import Error, ErrorCode, Escalation, Priority, Source
 from tests.sdk.fake_daemon import FakeDaemon, chunks, result
 
@@ -30,6 +33,7 @@ SKILLS = [goto, dock]
 PLAN = {"steps": [{"skill": "goto", "args": {"waypoint": "w17", "speed": 0.5}},
                   {"skill": "dock", "args": {"kind": "charger"}}], "done": True, "confidence": 0.8}
 PLAN_TEXT = json.dumps(PLAN)
+DEFAULT_MAX_TOKENS = max_plan_tokens(as_skills(SKILLS), 8)  # room for the default eight steps
 
 
 def answer(text: str = PLAN_TEXT, **fields):
@@ -55,6 +59,33 @@ def test_a_plan_request_carries_the_skills_format_and_every_option():
     assert plan.done and plan.confidence == 0.8 and plan.text == PLAN_TEXT and plan.finish_reason == "stop"
     assert plan.timings["client_e2e"] > 0
     assert json.loads(plan.to_json())["steps"][1] == {"skill": "dock", "args": {"kind": "charger"}}
+
+
+@skill
+def drive_to(waypoint: Place) -> None:
+    """drive to a named waypoint"""
+
+
+def test_the_default_max_tokens_holds_max_steps_complete_steps_of_the_skills_in_the_scene():
+    """No default cuts a plan: max_tokens left out is the longest complete plan of max_steps
+    steps over the skills as grounded in this request's scene (a longer name, a larger budget);
+    a schema plan, which has no known bound, gets SCHEMA_MAX_TOKENS."""
+    near, far = Scene(places=("dock 2",)), Scene(places=("dock 2", "the far end of aisle 19"))
+    with FakeDaemon(answer()) as daemon, PlanClient(daemon.endpoint) as client:
+        client.plan("Go charge.", skills=SKILLS)
+        client.plan("Go charge.", skills=SKILLS, max_steps=5)
+        with pytest.raises(InvalidPlan):  # the fake's plan is not over drive_to: only what was sent matters
+            client.plan("Go to dock 2.", scene=near, skills=[drive_to])
+        with pytest.raises(InvalidPlan):
+            client.plan("Go to dock 2.", scene=far, skills=[drive_to])
+        client.plan("Go charge.", schema={"type": "object"})
+    sent = daemon.generates()
+    grounded = [as_skills([drive_to])[0].grounded(scene) for scene in (near, far)]
+    assert [g.sampling.max_tokens for g in sent] == [
+        DEFAULT_MAX_TOKENS, max_plan_tokens(as_skills(SKILLS), 5), max_plan_tokens(grounded[:1], 8),
+        max_plan_tokens(grounded[1:], 8), SCHEMA_MAX_TOKENS]
+    assert sent[2].sampling.max_tokens < sent[3].sampling.max_tokens
+    assert [g.response_format.get("max_steps") for g in sent] == [8, 5, 8, 8, None]
 
 
 def test_an_edge_fallback_is_visible_in_source_degraded_and_reason():
@@ -129,7 +160,8 @@ def test_a_quota_rejection_says_when_to_retry():
 @pytest.mark.parametrize("fields, cls, words", [
     ({"finish_reason": "abort"}, Cancelled, "cancelled"),
     ({"finish_reason": "deadline", "detail": "the deadline passed"}, DeadlineExceeded, "the deadline passed"),
-    ({"finish_reason": "length", "detail": "max_tokens ran out"}, InvalidPlan, "max_tokens ran out (max_tokens=384)"),
+    ({"finish_reason": "length", "detail": "max_tokens ran out"}, InvalidPlan,
+     f"max_tokens ran out (max_tokens={DEFAULT_MAX_TOKENS})"),
 ])
 def test_endings_without_a_plan_are_typed_errors_carrying_the_partial_text(fields, cls, words):
     with FakeDaemon(answer(PLAN_TEXT[:30], **fields)) as daemon, PlanClient(daemon.endpoint) as client:
