@@ -29,6 +29,7 @@ from shared.engine.engine_config import EngineConfig  # noqa: E402
 if TYPE_CHECKING:
     from cloudd.server import ServeConfig
     from shared.engine.engine import Engine
+    from shared.model.summary import ModelSummary
     from shared.model.tokenizer import Tokenizer
 
 
@@ -257,13 +258,20 @@ def build_serving_engine(args) -> ServingEngine:
 
 
 def engine_note(serving: ServingEngine) -> str:
-    """How the engine started, for a ready line."""
+    """What the engine runs and how it started, for a ready line (``model=<stem> (<arch>, <n>
+    params)`` first)."""
     engine = serving.engine
     dtype = engine.config.dtype_choice
-    return (f"policy={serving.policy} "
+    return (f"model={model_summary(serving)} policy={serving.policy} "
             f"compile={'off' if engine.compile_seconds is None else f'{engine.compile_seconds:.1f}s'} "
             f"warm_up={serving.warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason}) kernels={engine.runner.kernels} "
             f"kv_layout={engine.runner.kv_layout} cuda_graphs={_graphs_note(engine)}")
+
+
+def model_summary(serving: ServingEngine) -> ModelSummary:
+    from shared.model.summary import ModelSummary
+
+    return ModelSummary.of(serving.model_name, serving.engine.runner.model.config)
 
 
 def cmd_serve(args) -> int:
@@ -283,6 +291,7 @@ def cmd_serve(args) -> int:
     freeze_start_up_heap()
     respond_between_steps()
     server = CloudServer(engine, serve, model_name=model_name)
+    server.monitor.describe_model(model_summary(serving))
     client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
     api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
     http = make_http_server(serve.http_host, serve.http_port,

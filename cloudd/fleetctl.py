@@ -30,6 +30,7 @@ from rich.panel import Panel
 from rich.table import Column, Table
 from rich.text import Text
 
+from shared.model.summary import describe
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve
 
@@ -182,6 +183,7 @@ def _summary_lines(snap: Snapshot) -> list[tuple[str, str]]:
     used, total = eng.get("kv_blocks_used"), eng.get("kv_blocks_total")
     kv_share = used / total if used is not None and total else None
     return [
+        ("model", describe(snap.get("model_arch"), snap.get("model_params"))),
         ("throughput", f"{fmt(tp.get('output_tok_s'), '.1f')} tok/s · {fmt(tp.get('requests_per_s'), '.2f')} req/s"
                        f" (last {fmt_seconds(tp.get('window_s'))})"),
         ("batch", f"{fmt(eng.get('running'))} running · {fmt(eng.get('waiting'))} waiting"
@@ -220,9 +222,10 @@ def _tier_lines(tiers: dict | None) -> list[tuple[str, str]]:
 
 
 def status_panel(snap: Snapshot) -> RenderableType:
-    """``fleetctl status``: model, policy, state and uptime in the title; throughput, batch, KV
-    use and prefix-cache hit rate, fleet-wide latency percentiles and totals; a cluster's
-    replicas and router; then the classes table."""
+    """``fleetctl status``: model, policy, state and uptime in the title; the model's
+    architecture and parameter count, throughput, batch, KV use and prefix-cache hit rate,
+    fleet-wide latency percentiles and totals; a cluster's replicas and router; then the
+    classes table."""
     state = snap.get("state") or "-"
     title = Text.assemble(("cloudd ", "bold"), (fmt(snap.get("model")), "bold cyan"),
                           f" ({fmt(snap.get('policy'))} policy) · ",

@@ -3,7 +3,8 @@
 ``FleetMonitor`` keeps the last ``window`` finished requests and a per-robot summary; the
 snapshot it builds is plain data (msgpack-able), with this shape::
 
-    {"model": str, "policy": str, "uptime_s": float, "state": "ok" | "draining",
+    {"model": str, "model_arch": str | None, "model_params": int | None,  # None: not described
+     "policy": str, "uptime_s": float, "state": "ok" | "draining",
      "throughput": {"output_tok_s": float, "requests_per_s": float, "window_s": float},
      "engine": {"running": int, "waiting": int, "kv_blocks_used": int, "kv_blocks_total": int,
                 "kv_blocks_in_requests": int, "prefix_hit_rate": float, "prompt_tokens": int,
@@ -44,6 +45,7 @@ from dataclasses import asdict, dataclass
 from cloudd.bench_report import percentiles
 from shared.engine.engine import EngineStats
 from shared.engine.request import Request, RequestStatus
+from shared.model.summary import ModelSummary, model_stats
 from shared.protocol.messages import Priority
 
 
@@ -114,6 +116,7 @@ class FleetMonitor:
         """Per-robot summaries are kept for the ``max_robots`` robots seen last (least recently
         seen dropped first), so the stats reply stays small whoever sends what robot ids."""
         self.model = model
+        self.model_summary: ModelSummary | None = None  # describe_model()
         self.max_robots = max_robots
         self.policy = policy
         self.clock = clock
@@ -123,6 +126,11 @@ class FleetMonitor:
         self.robots: dict[str, _RobotSummary] = {}  # least recently seen first
         self.totals: Counter[str] = Counter()
         self._token_events: deque[tuple[float, int]] = deque()  # (when, output tokens) for throughput
+
+    def describe_model(self, summary: ModelSummary) -> None:
+        """The model's architecture and parameter count for the snapshot (whoever loaded the
+        model says them: ``cloudd serve``); until then they are None."""
+        self.model_summary = summary
 
     def on_submit(self, robot_id: str) -> None:
         self.totals["requests"] += 1
@@ -160,7 +168,7 @@ class FleetMonitor:
         recent_finishes = sum(1 for r in self.recent if now - r.finished_at <= self.throughput_window_s)
         live = list(live)
         return {
-            "model": self.model,
+            **model_stats(self.model, self.model_summary),
             "policy": self.policy,
             "uptime_s": now - self.started,
             "state": "draining" if draining else "ok",

@@ -1,5 +1,6 @@
 """fleetctl against a real in-process cloudd (tiny model): every view renders within 80 columns,
-``--json`` prints the snapshot's parts, and a silent daemon is one line on stderr and exit 1."""
+``--json`` prints the snapshot's parts, the model is named as ``cloudd serve`` names it (ready
+line, stats, status), and a silent daemon is one line on stderr and exit 1."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
+from cloudd.__main__ import ServingEngine, engine_note, model_summary
 from cloudd.fleetctl import fmt_seconds, main, requests_view, robots_table, status_panel, top_view
 from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
@@ -27,7 +29,7 @@ from tests.engine.tiny import tiny_model
 ROBOTS = ("amr-1", "forklift-north-warehouse-0042")  # the second is longer than any robot column
 LIVE_ID = "long-running-safety-check"  # still streaming when the busy snapshot is taken
 CLASSES = [p.value for p in Priority]
-SNAPSHOT_KEYS = {"model", "uptime_s", "state", "throughput", "engine", "queue", "latency", "by_priority",
+SNAPSHOT_KEYS = {"model", "model_arch", "model_params", "uptime_s", "state", "throughput", "engine", "queue", "latency", "by_priority",
                  "totals", "robots", "running", "recent"}
 
 
@@ -36,14 +38,19 @@ class Fleet:
     endpoint: str
     idle: dict  # the snapshot before any request: latencies are None
     busy: dict  # after one request per robot and class, taken while LIVE_ID runs
+    serving: ServingEngine  # what `cloudd serve` would have built
+    params: int  # the tiny model's parameters, counted by torch
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     """A tiny-model cloudd in a thread; LIVE_ID is cancelled once the busy snapshot is taken."""
-    engine = Engine(tiny_model(tie_word_embeddings=False), None, EngineConfig(block_size=4, num_blocks=512),
-                    policy=FleetPolicy())
-    server = CloudServer(engine, ServeConfig(zmq_port=0, shutdown_grace_s=0), "tiny")
+    model = tiny_model(tie_word_embeddings=False)
+    params = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, None, EngineConfig(block_size=4, num_blocks=512), policy=FleetPolicy())
+    serving = ServingEngine(engine, None, "tiny", ServeConfig(zmq_port=0, shutdown_grace_s=0), "fleet", 0.0)
+    server = CloudServer(engine, serving.serve, "tiny")
+    server.monitor.describe_model(model_summary(serving))  # as cmd_serve does
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     client = FleetClient(server.endpoint, ClientConfig(timeout_s=5))
@@ -60,7 +67,7 @@ def fleet() -> Iterator[Fleet]:
         next(live)  # its first token: it is running (1000 tokens take seconds)
         busy = client.stats()
         client.cancel(LIVE_ID)
-        yield Fleet(server.endpoint, idle, busy)
+        yield Fleet(server.endpoint, idle, busy, serving, params)
     finally:
         client.close()
         server.stop()
@@ -127,8 +134,21 @@ def test_json_prints_the_whole_snapshot(fleet, capsys, command):
     assert main([command, "--json", "--endpoint", fleet.endpoint]) == 0
     snapshot = json.loads(capsys.readouterr().out)
     assert SNAPSHOT_KEYS <= set(snapshot)
-    assert snapshot["model"] == "tiny"
+    assert (snapshot["model"], snapshot["model_arch"], snapshot["model_params"]) == ("tiny", "llama", fleet.params)
     assert snapshot["totals"]["requests"] == len(ROBOTS) * len(Priority) + 1
+
+
+def test_the_ready_line_and_status_name_the_model_its_architecture_and_size(fleet, capsys):
+    size = f"{fleet.params / 1e3:.1f}K params"  # 36.9K: torch's count of the tiny model
+    assert engine_note(fleet.serving).startswith(f"model=tiny (llama, {size}) policy=fleet ")
+    assert main(["status", "--endpoint", fleet.endpoint]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cloudd tiny (fleet policy)" in out and f"│ model llama, {size} │" in out, out
+
+
+def test_a_model_not_described_shows_a_dash(fleet):
+    text = " ".join(render(status_panel({**fleet.busy, "model_arch": None, "model_params": None})).split())
+    assert "│ model - │" in text and "None" not in text
 
 
 def test_robots_json_lists_both_robots(fleet, capsys):
