@@ -45,6 +45,7 @@ from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
+from shared.model.summary import ModelSummary, model_stats
 from shared.protocol.codec import ProtocolError, encode
 from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
@@ -141,6 +142,7 @@ class EdgeServer:
         self.cloud = cloud
         self.config = config
         self.model_name = model_name
+        self.model_summary: ModelSummary | None = None  # describe_model()
         self.context = context or zmq.Context.instance()
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
         self.executions = ExecutionLog(config.execution_log)
@@ -506,12 +508,17 @@ class EdgeServer:
         else:
             self._settle(req)
 
+    def describe_model(self, summary: ModelSummary) -> None:
+        """The model's architecture and parameter count for the stats (``edged serve`` reads
+        them); until then they are None."""
+        self.model_summary = summary
+
     def snapshot(self) -> dict:
         """The ``stats`` reply."""
         g = self.generator
         c = self.counters
         return {
-            "daemon": "edged", "model": self.model_name, "robot_id": self.config.robot_id,
+            "daemon": "edged", **model_stats(self.model_name, self.model_summary), "robot_id": self.config.robot_id,
             "backend": g.backend.name, "quant": g.backend.quant, "products": g.backend.products,
             "max_len": g.backend.max_len,
             "draining": self._draining, "live": len(self.live), "local_queue": self.worker.depth,

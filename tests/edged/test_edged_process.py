@@ -123,6 +123,15 @@ def test_a_plain_request_is_answered_on_the_robot_from_its_pinned_prompt(client)
     assert result.text and result.timings["ttft_s"] <= result.timings["e2e_s"]
 
 
+def test_the_ready_lines_and_edgeds_stats_name_the_model(fleet, edge, client):
+    named = "SmolLM2-135M-Instruct.Q4_1 (llama, 135M params)"
+    assert f"model={named} " in next(line for line in edge.lines if line.startswith("edged ready:"))
+    assert f"model={named} " in next(line for line in fleet.cloudd.lines if line.startswith("cloudd ready:"))
+    stats = client.stats(timeout_s=10)
+    assert (stats["model"], stats["model_arch"], stats["model_params"]) == \
+        ("SmolLM2-135M-Instruct.Q4_1", "llama", 134_515_008)
+
+
 @pytest.mark.parametrize("kw, reason", [
     ({"escalation": Escalation.CLOUD}, "requested"),
     ({"tags": ("multi-floor",)}, "tags"),
