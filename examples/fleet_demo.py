@@ -2,7 +2,10 @@
 plan requests from robot_sdk, ``fleetctl status``, then a clean stop.
 
 1. a plain plan for the robot: edged answers it on the robot from its pinned prompt;
-2. a plan tagged ``multi-floor``: edged's config escalates that tag to cloudd;
+2. the same task escalated (``escalation="cloud"``; edged's config also escalates tags such as
+   ``multi-floor``) to cloudd, which serves a larger model than the robot's (the shipped
+   config's Qwen2.5-Coder-1.5B against the robot's SmolLM2-135M); the robot's own plan is shown
+   beside the cloud's, with both times: what escalating bought, and what it cost;
 3. an urgent ``safety`` plan with a deadline, sent while the first lane may be busy.
 
 Everything listens on loopback or an ipc socket under a temporary directory; keys are created
@@ -94,11 +97,31 @@ def show(title: str, plan: Plan) -> None:
     timings = ", ".join(f"{k} {v:.2f} s" for k, v in plan.timings.items() if k in ("ttft_s", "e2e_s", "cloud_s"))
     print(f"\n== {title}\n   answered on: {where}{why}\n   timings: {timings}")
     for i, step in enumerate(plan.steps, 1):
-        print(f"   {i}. {step.skill} {step.args}")
-    grounded = {"waypoint": SCENE.places, "load": SCENE.objects}
-    unknown = [v for step in plan.steps for k, v in step.args.items() if k in grounded and v not in grounded[k]]
-    assert not unknown, f"a plan named something outside the scene: {unknown}"  # the grammar makes this impossible
+        print(f"   {i}. {step_text(step)}")
     print(f"   done: {plan.done}, confidence: {plan.confidence}")
+
+
+def show_side_by_side(title: str, robot: Plan, cloud: Plan) -> None:
+    """The robot's own plan and the escalated one for the same task in two columns, each with the
+    seconds its request took as the robot's client saw them."""
+    width = 46
+    print(f"\n== {title}")
+    heads = (f"on the robot ({robot.source})", f"escalated ({cloud.source}{', degraded' if cloud.degraded else ''})")
+    print("   " + "".join(h.ljust(width) for h in heads))
+    print("   " + "".join(f"{p.timings['client_e2e']:.2f} s, done: {p.done}".ljust(width) for p in (robot, cloud)))
+    for i in range(max(len(robot.steps), len(cloud.steps))):
+        cells = [f"{i + 1}. {step_text(p.steps[i])}" if i < len(p.steps) else "" for p in (robot, cloud)]
+        print("   " + "".join(c.ljust(width) for c in cells))
+    print(f"   the plans {'differ' if robot.steps != cloud.steps else 'are the same'}")
+
+
+def step_text(step) -> str:
+    """``goto waypoint 17``: a step as one line. Asserts that every argument the scene grounds is in
+    the scene (the grammar makes anything else impossible)."""
+    grounded = {"waypoint": SCENE.places, "load": SCENE.objects}
+    unknown = [v for k, v in step.args.items() if k in grounded and v not in grounded[k]]
+    assert not unknown, f"a plan named something outside the scene: {unknown}"
+    return " ".join([step.skill, *map(str, step.args.values())])
 
 
 def main() -> int:
@@ -110,22 +133,22 @@ def main() -> int:
         robot = PlanClient(f"ipc://{tmp}/edged.sock", robot_id="amr-030", timeout_s=300)
         # edged pins exactly the system prompt the SDK sends for these skills
         cloudd_cfg, edged_cfg = configs(tmp, cloud_port, robot.system_prompt(SKILLS))
-        print("starting cloudd (the fleet daemon) and edged (the robot daemon; the first start exports "
-              "the model to ONNX int4, about a minute)...", flush=True)
+        print("starting cloudd (the fleet daemon, Qwen2.5-Coder-1.5B) and edged (the robot daemon, "
+              "SmolLM2-135M; the first start exports it to ONNX int4, about a minute)...", flush=True)
         cloudd = DaemonProcess("cloudd", ["serve", "--config", str(cloudd_cfg), "--zmq-port", str(cloud_port),
-                                          "--http-port", "0"], ready="cloudd ready:")
+                                          "--http-port", "0"], ready="cloudd ready:", timeout_s=900)
         edged = None
         try:
             edged = DaemonProcess("edged", ["serve", "--config", str(edged_cfg)], ready="edged ready:", timeout_s=600)
             print(cloudd.lines[-1], "\n" + edged.lines[-1], flush=True)
             with robot:
-                show("1. a plan for the robot", robot.plan(
-                    "bring tote 12 from waypoint 17 to shelf A3.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=300))
-                show("2. a multi-floor plan (escalated by tag)", robot.plan(
-                    "bring tote 12 to the second floor.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=300,
-                    tags=["multi-floor"]))
+                task = "bring tote 12 from waypoint 17 to shelf A3."
+                on_robot = robot.plan(task, scene=SCENE, skills=SKILLS, max_steps=4, escalation="local")
+                show("1. a plan for the robot", on_robot)
+                show_side_by_side(f"2. the same task escalated to the fleet's model: {task!r}", on_robot,
+                                  robot.plan(task, scene=SCENE, skills=SKILLS, max_steps=4, escalation="cloud"))
                 show("3. an urgent safety plan with a 20 s deadline", robot.plan(
-                    "a person is in aisle 4: stop and report.", scene=SCENE, skills=SKILLS, max_steps=3, max_tokens=300,
+                    "a person is in aisle 4: stop and report.", scene=SCENE, skills=SKILLS, max_steps=3,
                     priority="safety", deadline_ms=20_000))
             print("\n== fleetctl status (cloudd)", flush=True)
             subprocess.run([sys.executable, "-m", "cloudd.fleetctl", "status", "--endpoint",
