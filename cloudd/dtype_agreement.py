@@ -53,12 +53,12 @@ def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str
     start = time.perf_counter()
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     log(f"greedy, float32 (reference), {len(prompts)} requests x {tokens} tokens ...")
-    reference = _greedy(ckpt, build_cached_model(ckpt, torch.float32), prompts, tokens,
+    reference = greedy_outputs(ckpt, build_cached_model(ckpt, torch.float32), prompts, tokens,
                         dataclasses.replace(config, dtype="float32"))
     log(f"greedy, {dtype} ...")
     compared_config = dataclasses.replace(config, dtype=dtype)
     model = build_cached_model(ckpt, compared_config.torch_dtype)
-    compared = _greedy(ckpt, model, prompts, tokens, compared_config)
+    compared = greedy_outputs(ckpt, model, prompts, tokens, compared_config)
     prefixes = [common_prefix_len(a, b) / tokens for a, b in zip(compared, reference, strict=True)]
     log(f"teacher-forced top-1, {dtype} ...")
     hits = sum(_teacher_forced_hits(model, p, ref) for p, ref in zip(prompts, reference, strict=True))
@@ -71,8 +71,10 @@ def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str
     )
 
 
-def _greedy(ckpt: Checkpoint, model: LlamaModel, prompts: list[list[int]], tokens: int,
-            config: EngineConfig) -> list[list[int]]:
+def greedy_outputs(ckpt: Checkpoint, model: LlamaModel, prompts: list[list[int]], tokens: int,
+                   config: EngineConfig) -> list[list[int]]:
+    """Each prompt's first ``tokens`` greedy output tokens (end-of-text ignored) from an engine
+    over ``model`` with ``config``."""
     engine = Engine(model, ckpt.tokenizer, config)
     done = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
     engine.close()

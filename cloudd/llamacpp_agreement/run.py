@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cloudd.dtype_agreement import _greedy
+from cloudd.dtype_agreement import greedy_outputs
 from cloudd.llamacpp_agreement import peer
 from cloudd.llamacpp_agreement.agreement import PromptAgreement, compare
 from cloudd.llamacpp_agreement.prompts import NamedPrompt
@@ -59,7 +59,7 @@ def our_greedy(ckpt: Checkpoint, net: LlamaModel, prompts: list[list[int]], toke
     """Our engine's greedy continuations of ``prompts`` (exactly ``tokens`` each, EOS ignored),
     batched, on a KV pool just large enough for all of them; ``net`` built in ``config``'s dtype."""
     blocks = sum(-(-(len(p) + tokens) // config.block_size) for p in prompts) + 1  # + the null block
-    return _greedy(ckpt, net, prompts, tokens, dataclasses.replace(config, num_blocks=blocks))
+    return greedy_outputs(ckpt, net, prompts, tokens, dataclasses.replace(config, num_blocks=blocks))
 
 
 def _engine_config(dtype: str) -> EngineConfig:
