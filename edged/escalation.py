@@ -15,21 +15,35 @@ after a local answer (so that answer is the fallback)
 - ``invalid_plan``: a structured request's text does not parse or fails its JSON schema
   (e.g. ``max_tokens`` cut it);
 - ``low_confidence``: the mean log-probability the model gave its own tokens (before the
-  grammar mask) is under ``min_mean_logprob``.
+  grammar mask) is under ``min_mean_logprob``;
+- ``off_task`` (``check_task_names``): a structured answer leaves out a name the task uses. The
+  names are the literals its schema allows (a plan's skill names, the scene's places, objects
+  and people, enum options such as ``gentle``); the task is the text after ``Task:`` in the
+  last user message (robot_sdk's layout; the whole message without one). Every literal the task
+  mentions (a whole word, any case; one inside a longer mentioned literal, ``dock`` in
+  ``charging dock 2``, is not a mention of its own) must be one of the answer's values, or a
+  word of one of its free-text values (a report naming ``aisle 4``). "Bring tote 12 to the
+  packing station" answered with ``lift tote 12`` alone escalates; so does "open the fridge"
+  answered by opening the drawer. A request with token ids instead of messages is not checked.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jsonschema
 
-from edged.generation import LocalJob
 from shared.engine.grammar.response_format import GrammarSpec
 from shared.engine.request import FinishReason
 from shared.protocol.messages import Escalation, Generate
+
+if TYPE_CHECKING:  # NOTE: the generator loads torch; the config and plan-eval's CLI import this module
+    from edged.generation import LocalJob
 
 
 class EscalationReason(enum.Enum):
@@ -39,6 +53,7 @@ class EscalationReason(enum.Enum):
     LOCAL_QUEUE = "local_queue"
     INVALID_PLAN = "invalid_plan"
     LOW_CONFIDENCE = "low_confidence"
+    OFF_TASK = "off_task"
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class EscalationConfig:
     robot_secret_key: str = ""  # this robot's key pair file (.key_secret)
     escalate_tags: tuple[str, ...] = ()
     min_mean_logprob: float = -1.5  # a local plan less confident than this escalates
+    check_task_names: bool = True  # a local plan that leaves out a name the task uses escalates
     heartbeat_s: float = 0.5  # probe a silent cloud this often while escalations wait
     link_timeout_s: float = 3.0  # cloud silent this long (probes unanswered): the escalation failed
     cloud_timeout_s: float = 60.0  # no deadline: stop waiting for the cloud after this
@@ -104,6 +120,9 @@ class EscalationPolicy:
         mean = job.mean_logprob
         if mean is not None and mean < self.config.min_mean_logprob:
             return EscalationReason.LOW_CONFIDENCE
+        if self.config.check_task_names and spec is not None and msg.messages:
+            if unnamed(task_text(msg), job.text, spec):
+                return EscalationReason.OFF_TASK
         return None
 
 
@@ -131,3 +150,53 @@ def plan_is_valid(text: str, spec: GrammarSpec) -> bool:
         except jsonschema.ValidationError:
             return False
     return True
+
+
+def task_text(msg: Generate) -> str:
+    """The task a request asks for: its last user message after the last ``Task:`` (robot_sdk's
+    layout puts the scene before it), else that whole message; "" without one."""
+    users = [m.content for m in msg.messages if m.role == "user"]
+    return users[-1].rpartition("Task:")[2] if users else ""
+
+
+def unnamed(task: str, text: str, spec: GrammarSpec) -> frozenset[str]:
+    """The literals of ``spec``'s schema that ``task`` mentions and the structured answer
+    ``text`` leaves out (see ``off_task`` above); empty for an answer that is not JSON or a spec
+    without a schema."""
+    value = parse_structured(text, spec)
+    if value is None or spec.kind != "json_schema":
+        return frozenset()
+    literals = frozenset(_literals(json.loads(spec.source)))
+    said = {v.casefold() for v in _nodes(value) if isinstance(v, str)}
+    free = "\n".join(said - {name.casefold() for name in literals})  # NOTE: no name spans two values
+    return frozenset(name for name in mentioned(task, literals)
+                     if name.casefold() not in said and not _find(name, free))
+
+
+def mentioned(text: str, names: frozenset[str]) -> frozenset[str]:
+    """The ``names`` that ``text`` mentions as whole words (any case); an occurrence inside a
+    longer name's occurrence is that name's only."""
+    found = [(m.start(), m.end(), name) for name in names for m in _find(name, text)]
+    return frozenset(name for a, b, name in found if not any(a2 <= a and b <= b2 and b2 - a2 > b - a
+                                                             for a2, b2, _ in found))
+
+
+def _find(name: str, text: str) -> list[re.Match]:
+    return list(re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", text, re.IGNORECASE))
+
+
+def _literals(schema: object) -> Iterator[str]:
+    """Every string a JSON schema allows by ``const`` or ``enum``, anywhere in it."""
+    for node in _nodes(schema):
+        if isinstance(node, dict):
+            const, enum = node.get("const"), node.get("enum")
+            yield from [const] if isinstance(const, str) else []
+            yield from (v for v in enum if isinstance(v, str)) if isinstance(enum, list) else []
+
+
+def _nodes(value: object) -> Iterator[object]:
+    """A JSON value and every value inside it, depth first (not the keys of its objects)."""
+    yield value
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        yield from _nodes(child)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from edged.circuit import BreakerState, CircuitBreaker
-from edged.escalation import EscalationConfig, EscalationPolicy, EscalationReason, plan_is_valid
+from edged.escalation import (EscalationConfig, EscalationPolicy, EscalationReason, mentioned, plan_is_valid,
+                              task_text, unnamed)
 from edged.generation import LocalJob
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
-from shared.protocol.messages import Escalation, Generate, Sampling
+from shared.protocol.messages import ChatMessage, Escalation, Generate, Sampling
 
 CLOUD = EscalationConfig(cloud_endpoint="tcp://127.0.0.1:1", escalate_tags=("multi-floor",), min_mean_logprob=-1.0)
 PLAN = grammar_spec(fleet_plan_format())
@@ -63,6 +67,77 @@ def test_rules_after_a_local_answer():
     assert policy.after(msg(), finished("free text", [-0.5]), None) is None
     assert policy.after(msg(escalation=Escalation.LOCAL), finished("x", [-9.0]), PLAN) is None
     assert policy.after(msg(), finished("", [-9.0], FinishReason.ABORT), PLAN) is None
+
+
+# a robot's plan request over a grounded scene, as robot_sdk sends it (the grammar's literals:
+# the skill names, the scene's names, the grasp options)
+SKILLS = grammar_spec({"type": "skills", "max_steps": 4, "skills": [
+    {"name": "goto", "description": "drive", "args": {"place": ["charging dock 2", "waypoint 17", "packing station"]}},
+    {"name": "lift", "description": "lift", "args": {"load": ["tote 12", "tote 7"]}},
+    {"name": "dock", "description": "charge", "args": {"station": ["charging dock 2"]}},
+    {"name": "pick", "description": "grasp", "args": {"object": ["tote 12", "tote 7"], "grasp": ["normal", "gentle"]}},
+    {"name": "report", "description": "say", "args": {"message": "string"}}]})
+
+
+def plan(*steps: tuple[str, dict]) -> str:
+    return json.dumps({"steps": [{"skill": s, "args": a} for s, a in steps], "done": True, "confidence": 0.9})
+
+
+def asked(task: str, scene: str = "Tote 12 is on waypoint 17; tote 7 at the packing station.") -> Generate:
+    return Generate("r", messages=(ChatMessage("system", "You plan."), ChatMessage("user", f"Scene: {scene}"),
+                                   ChatMessage("user", f"Task: {task}")), sampling=Sampling(max_tokens=64))
+
+
+@pytest.mark.parametrize("task, answer, left_out", [
+    ("Bring tote 12 to the packing station.", plan(("lift", {"load": "tote 12"})), {"packing station"}),
+    ("Bring tote 12 to the packing station.",
+     plan(("lift", {"load": "tote 12"}), ("goto", {"place": "packing station"})), set()),
+    # the skill a task names is a literal too; "dock" inside "charging dock 2" is not a mention
+    ("Go back to charging dock 2 and dock there.", plan(("goto", {"place": "charging dock 2"})), {"dock"}),
+    ("Return to charging dock 2.", plan(("goto", {"place": "charging dock 2"})), set()),
+    # a free-text value may name it; any case
+    ("Report that TOTE 7 is damaged.", plan(("report", {"message": "tote 7 is damaged"})), set()),
+    ("Report that tote 7 is damaged.", plan(("report", {"message": "a tote is damaged"})), {"tote 7"}),
+    # an enum option the task asks for
+    ("Pick tote 7 with a gentle grasp.", plan(("pick", {"object": "tote 7", "grasp": "normal"})), {"gentle"}),
+    ("Drive somewhere.", plan(("goto", {"place": "waypoint 17"})), set()),
+])
+def test_off_task_names_what_the_task_mentions_and_the_plan_leaves_out(task, answer, left_out):
+    assert unnamed(task, answer, SKILLS) == left_out
+
+
+def test_mentions_are_whole_words_and_the_longest_name_wins():
+    names = frozenset({"dock", "charging dock 2", "tote 1", "tote 12"})
+    assert mentioned("Go to charging dock 2.", names) == {"charging dock 2"}
+    assert mentioned("Dock at charging dock 2, then lift tote 12.", names) == {"dock", "charging dock 2", "tote 12"}
+    assert mentioned("Lift tote 1 and tote 12.", names) == {"tote 1", "tote 12"}
+    assert mentioned("Undock.", names) == frozenset()
+
+
+def test_the_task_is_the_last_user_message_after_its_task_label():
+    assert task_text(asked("Lift tote 7.")) == " Lift tote 7."
+    one = Generate("r", messages=(ChatMessage("user", "Scene: at waypoint 17.\nTask: lift tote 7."),),
+                   sampling=Sampling(max_tokens=8))
+    assert task_text(one) == " lift tote 7."
+    bare = Generate("r", messages=(ChatMessage("user", "lift tote 7"),), sampling=Sampling(max_tokens=8))
+    assert task_text(bare) == "lift tote 7"
+
+
+def test_the_off_task_rule_escalates_a_confident_plan_that_leaves_out_a_task_name():
+    policy = EscalationPolicy(CLOUD, local_context=1000)
+    wrong = finished(plan(("lift", {"load": "tote 12"})), [-0.2])
+    right = finished(plan(("lift", {"load": "tote 12"}), ("goto", {"place": "packing station"})), [-0.2])
+    task = asked("Bring tote 12 to the packing station.")
+    assert policy.after(task, wrong, SKILLS) is EscalationReason.OFF_TASK
+    assert policy.after(task, right, SKILLS) is None
+    # the scene message names waypoint 17: only the task counts
+    assert policy.after(asked("Lift tote 12."), right, SKILLS) is None
+    # an unsure plan reports the rule before it; no messages, no free text, or the rule off: not checked
+    assert policy.after(task, finished(wrong.text, [-3.0]), SKILLS) is EscalationReason.LOW_CONFIDENCE
+    assert policy.after(msg(), wrong, SKILLS) is None
+    assert policy.after(task, finished("Bring it.", [-0.2]), None) is None
+    off = EscalationPolicy(replace(CLOUD, check_task_names=False), local_context=1000)
+    assert off.after(task, wrong, SKILLS) is None
 
 
 def test_plan_validity_follows_the_schema():
