@@ -17,6 +17,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from edged.backends.base import BACKENDS, QUANTS  # noqa: E402
+from edged.plan_tiers import TIERS  # noqa: E402
 from kernels.block_products import PRODUCTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 
@@ -88,10 +89,37 @@ def cmd_bench(args) -> int:
 def cmd_plan_eval(args) -> int:
     from edged.plan_eval import HEADER, run_plan_eval
 
+    if args.tiers is not None:
+        return _plan_eval_tiers(args)
+    if args.cloud_model or args.cloud_config or args.cloud_endpoint or args.records:
+        raise ValueError("--cloud-model, --cloud-config, --cloud-endpoint and --records go with --tiers")
     if not args.json:
         print(HEADER, flush=True)
-    report = run_plan_eval(_model_path(args.model), args.backend, args.quant, args.variants, args.tasks, args.limit,
-                           args.endpoint, args.threads, log=None if args.json else print)
+    report = run_plan_eval(_model_path(args.model), args.backend, args.quant, args.variants or ("grounded", "free"),
+                           args.tasks, args.limit, args.endpoint, args.threads, log=None if args.json else print)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _plan_eval_tiers(args) -> int:
+    from edged.config import EdgeConfig
+    from edged.escalation import EscalationConfig
+    from edged.plan_eval import HEADER
+    from edged.plan_tiers import TierOptions, json_lines, run_tiers
+    from shared.model.fetch import resolve_model
+
+    if args.endpoint or len(args.backend) > 1 or len(args.quant) > 1:
+        raise ValueError("--tiers runs one --backend and one --quant on the robot, and no --endpoint")
+    options = TierOptions(tiers=args.tiers, backend=args.backend[0], quant=args.quant[0],
+                          cloud_model=resolve_model(args.cloud_model).resolve() if args.cloud_model else None,
+                          cloud_config=args.cloud_config, cloud_endpoint=args.cloud_endpoint,
+                          escalation=EdgeConfig.load(args.config).escalation if args.config else EscalationConfig())
+    if not args.json:
+        print(HEADER, flush=True)
+    with json_lines(args.records) as record:
+        report = run_tiers(_model_path(args.model), options, args.variants or ("grounded",), args.tasks, args.limit,
+                           args.threads, log=None if args.json else print, record=record)
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
@@ -145,12 +173,26 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--model", type=Path, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
     v.add_argument("--backend", type=comma_list(BACKENDS), default=("onnx",))
     v.add_argument("--quant", type=comma_list(QUANTS), default=("int4",))
-    v.add_argument("--variants", type=comma_list(("grounded", "free")), default=("grounded", "free"),
-                   help="grounded: scene names as enums (robot_sdk's default); free: the same arguments as free text")
+    v.add_argument("--variants", type=comma_list(("grounded", "free")), default=None,
+                   help="grounded: scene names as enums (robot_sdk's default); free: the same arguments as free "
+                        "text (default: both; grounded only with --tiers)")
     v.add_argument("--tasks", type=Path, default=None, help="a task file (default: edged/data/plan_tasks.json)")
     v.add_argument("--limit", type=int, default=None, help="only the first N tasks")
     v.add_argument("--endpoint", default=None, help="ask a running edged or cloudd through robot_sdk instead")
     v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--tiers", type=comma_list(TIERS), default=None,
+                   help="compare edge (the robot alone), cloud (cloudd alone) and hybrid (edged escalating to "
+                        "cloudd), comma list")
+    v.add_argument("--cloud-model", default=None,
+                   help="the tiers' cloud: start cloudd on loopback on this GGUF / HF folder or model name "
+                        "(qwen2.5-coder-1.5b: fetched once)")
+    v.add_argument("--cloud-config", type=Path, default=None,
+                   help="the started cloudd's TOML ([engine] device, dtype, compile, ...; default: cloudd's defaults)")
+    v.add_argument("--cloud-endpoint", default=None, help="the tiers' cloud: a running cloudd (no CURVE)")
+    v.add_argument("--config", type=Path, default=None,
+                   help="an edged TOML whose [escalation] rules the hybrid tier runs (default: the built-in ones)")
+    v.add_argument("--records", type=Path, default=None,
+                   help="with --tiers: write every answer and its outcome here, one JSON line each")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_plan_eval)
     q = sub.add_parser("quality", help="perplexity and greedy agreement of each quantization")

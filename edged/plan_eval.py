@@ -9,13 +9,15 @@ steps may come between). Per run, the share of plans that are
 - **grounded**: every place, object and person a step names is in the task's scene;
 - **requirements met**: valid, and the task's patterns appear in order;
 
-with the mean steps of valid plans and the latency of a complete plan (median, 90th
-percentile). Two variants per backend: ``grounded`` (scene-kind arguments are enums of the
-scene's names, as robot_sdk sends them) and ``free`` (the same arguments as free text: what the
-grammar allowed before scenes were grounded). Both prompts list the scene's names, so the
-difference is the grammar's. In-process on edged's batch-1 generator (per backend and
-quantization, any ``--model``), or through a running daemon (``--endpoint``: edged or cloudd,
-by robot_sdk).
+with the mean steps of valid plans, the latency of a complete plan (median, 90th
+percentile) and the share answered on the robot (``local_rate``: a result with ``source: edge``;
+an answer the SDK refuses counts as not local). Two variants per backend: ``grounded``
+(scene-kind arguments are enums of the scene's names, as robot_sdk sends them) and ``free``
+(the same arguments as free text: what the grammar allowed before scenes were grounded). Both
+prompts list the scene's names, so the difference is the grammar's. In-process on edged's
+batch-1 generator (per backend and quantization, any ``--model``), or through a running daemon
+(``--endpoint``: edged or cloudd, by robot_sdk). ``edged.plan_tiers`` runs the same tasks on
+the robot, by the cloud and through edged's escalation policy (``--tiers``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edged.backends.factory import make_backend
-from edged.generation import Batch1Generator, LocalJob
 from robot_sdk.client import PlanClient
 from robot_sdk.errors import InvalidPlan, PlanError
 from robot_sdk.plan_budget import max_plan_tokens
@@ -38,10 +38,11 @@ from robot_sdk.scene import Scene, SceneKind
 from robot_sdk.skills import Arg, Skill
 from robot_sdk.validate import CheckedPlan, PlanChecker
 from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import grammar_spec
 from shared.engine.sampling_params import SamplingParams
-from shared.model.checkpoint import load_checkpoint
+
+if TYPE_CHECKING:  # NOTE: the model's modules load torch; the CLI imports this module to list its choices
+    from edged.generation import Batch1Generator
 
 PLAN_TASKS = Path(__file__).parent / "data" / "plan_tasks.json"
 VARIANTS = ("grounded", "free")
@@ -58,12 +59,23 @@ class EvalTask:
 
 
 @dataclasses.dataclass(frozen=True)
+class Answered:
+    """One task's answer, as an answerer got it."""
+
+    text: str
+    latency_s: float  # to the complete plan
+    local: bool  # answered on the robot (not by the cloud)
+    mean_logprob: float | None = None  # the robot's own plan: the model's mean token log-probability
+
+
+@dataclasses.dataclass(frozen=True)
 class Outcome:
     valid: bool
     grounded: bool
     requirements_met: bool
     steps: int
     latency_s: float
+    local: bool = True
 
 
 def load_tasks(path: Path = PLAN_TASKS) -> list[EvalTask]:
@@ -93,13 +105,13 @@ def _check_patterns(task: EvalTask) -> None:
                 raise ValueError(f"task {task.id}: {pattern['skill']}.{name} = {value!r} is not in its scene or skill")
 
 
-def judge(task: EvalTask, text: str, latency_s: float) -> Outcome:
+def judge(task: EvalTask, text: str, latency_s: float, local: bool = True) -> Outcome:
     """One answer against its task (see the module docstring)."""
     try:
         plan = PlanChecker(task.skills, MAX_STEPS).parse(text)
     except InvalidPlan:
-        return Outcome(False, False, False, 0, latency_s)
-    return Outcome(True, _grounded(task, text), _meets(task.requires, plan), len(plan.steps), latency_s)
+        return Outcome(False, False, False, 0, latency_s, local)
+    return Outcome(True, _grounded(task, text), _meets(task.requires, plan), len(plan.steps), latency_s, local)
 
 
 def _grounded(task: EvalTask, text: str) -> bool:
@@ -137,11 +149,12 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float]:
         "mean_steps": statistics.fmean(o.steps for o in valid) if valid else 0.0,
         "latency_p50_s": statistics.median(latencies),
         "latency_p90_s": latencies[min(n - 1, int(0.9 * n))],
+        "local_rate": sum(o.local for o in outcomes) / n,
     }
 
 
-# An answerer: (task, variant) -> (the answer's text, seconds to the complete plan).
-Answer = Callable[[EvalTask, str], tuple[str, float]]
+# An answerer: (task, variant) -> its answer.
+Answer = Callable[[EvalTask, str], Answered]
 
 
 def grammar_skills(task: EvalTask, variant: str) -> tuple[Skill, ...]:
@@ -149,24 +162,38 @@ def grammar_skills(task: EvalTask, variant: str) -> tuple[Skill, ...]:
     return tuple(s.grounded(task.scene) if variant == "grounded" else free_text(s) for s in task.skills)
 
 
-def run_variants(tasks: Sequence[EvalTask], answer: Answer, variants: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Every task through ``answer`` once per variant; the summary per variant."""
-    return {variant: summarize([judge(task, *answer(task, variant)) for task in tasks]) for variant in variants}
+def run_variants(tasks: Sequence[EvalTask], answer: Answer, variants: Sequence[str],
+                 record: Callable[[str, EvalTask, Answered, Outcome], None] | None = None,
+                 ) -> dict[str, dict[str, float]]:
+    """Every task through ``answer`` once per variant; the summary per variant. ``record``, when
+    given, sees each (variant, task, answer, outcome) as it is judged."""
+    summaries = {}
+    for variant in variants:
+        outcomes = []
+        for task in tasks:
+            answered = answer(task, variant)
+            outcomes.append(judge(task, answered.text, answered.latency_s, answered.local))
+            if record is not None:
+                record(variant, task, answered, outcomes[-1])
+        summaries[variant] = summarize(outcomes)
+    return summaries
 
 
 def local_answerer(generator: Batch1Generator) -> Answer:
     """Answers on edged's batch-1 generator, greedy, with as many tokens as the plan can take.
     Both variants get the same prompt (the skills as declared): only the grammar differs."""
+    from edged.generation import LocalJob
+
     tok = generator.tokenizer
 
-    def answer(task: EvalTask, variant: str) -> tuple[str, float]:
+    def answer(task: EvalTask, variant: str) -> Answered:
         skills = grammar_skills(task, variant)
         messages = list(plan_messages(task.task, task.scene, system_prompt(task.skills, None, MAX_STEPS)))
         job = LocalJob(task.id, tok.encode_chat(messages), SamplingParams(max_tokens=max_plan_tokens(skills, MAX_STEPS)),
                        IncrementalDetokenizer(tok), spec=grammar_spec(response_format(skills, None, MAX_STEPS)))
         started = time.perf_counter()
         generator.run(job, lambda tokens, text: None)
-        return job.text, time.perf_counter() - started
+        return Answered(job.text, time.perf_counter() - started, True, job.mean_logprob)
 
     return answer
 
@@ -174,17 +201,17 @@ def local_answerer(generator: Batch1Generator) -> Answer:
 def endpoint_answerer(client: PlanClient) -> Answer:
     """Answers from a running daemon (edged or cloudd) through robot_sdk, as a robot sends them:
     grounded, the declared skills with the scene; free, the skills with free-text names. An
-    answer the SDK refuses counts as invalid."""
+    answer the SDK refuses counts as invalid (and not local)."""
 
-    def answer(task: EvalTask, variant: str) -> tuple[str, float]:
+    def answer(task: EvalTask, variant: str) -> Answered:
         skills = task.skills if variant == "grounded" else tuple(free_text(s) for s in task.skills)
         started = time.perf_counter()
         try:
-            text = client.plan(task.task, scene=task.scene, skills=list(skills), max_steps=MAX_STEPS,
-                               max_tokens=max_plan_tokens(grammar_skills(task, variant), MAX_STEPS)).text
+            plan = client.plan(task.task, scene=task.scene, skills=list(skills), max_steps=MAX_STEPS,
+                               max_tokens=max_plan_tokens(grammar_skills(task, variant), MAX_STEPS))
         except PlanError:
-            text = ""
-        return text, time.perf_counter() - started
+            return Answered("", time.perf_counter() - started, False)
+        return Answered(plan.text, time.perf_counter() - started, plan.source == "edge")
 
     return answer
 
@@ -210,18 +237,31 @@ def _answerers(model: Path, backends: Sequence[str], quants: Sequence[str], endp
         with PlanClient(endpoint, robot_id="plan-eval", timeout_s=120) as client:
             yield endpoint, endpoint_answerer(client)
         return
+    for name, generator in local_generators(model, [(kind, quant) for kind in backends for quant in quants], threads):
+        yield name, local_answerer(generator)
+
+
+def local_generators(model: Path, specs: Sequence[tuple[str, str]],
+                     threads: int) -> Iterator[tuple[str, Batch1Generator]]:
+    """``("<backend>-<quant>", generator)`` for each (backend, quantization) of ``specs``, each
+    built when the previous one is done with (one model load, one grammar compiler)."""
+    from edged.backends.factory import make_backend
+    from edged.generation import Batch1Generator
+    from shared.engine.grammar.compiler import GrammarCompiler
+    from shared.model.checkpoint import load_checkpoint
+
     checkpoint = load_checkpoint(model)
     compiler = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)  # the logits' width
-    for kind in backends:
-        for quant in quants:
-            backend = make_backend(kind, quant, checkpoint, model, 2048, threads)
-            yield f"{kind}-{quant}", local_answerer(Batch1Generator(backend, checkpoint.tokenizer, compiler))
+    for kind, quant in specs:
+        backend = make_backend(kind, quant, checkpoint, model, 2048, threads)
+        yield f"{kind}-{quant}", Batch1Generator(backend, checkpoint.tokenizer, compiler)
 
 
 def format_row(name: str, r: Mapping[str, float]) -> str:
     return (f"{name:<22} {r['tasks']:>5} {r['valid_rate']:>7.0%} {r['grounded_rate']:>9.0%} "
-            f"{r['requirements_met_rate']:>9.0%} {r['mean_steps']:>6.2f} {r['latency_p50_s']:>8.2f} "
-            f"{r['latency_p90_s']:>8.2f}")
+            f"{r['requirements_met_rate']:>9.1%} {r['mean_steps']:>6.2f} {r['latency_p50_s']:>8.2f} "
+            f"{r['latency_p90_s']:>8.2f} {r['local_rate']:>7.0%}")
 
 
-HEADER = f"{'run':<22} {'tasks':>5} {'valid':>7} {'grounded':>9} {'meets':>9} {'steps':>6} {'p50 s':>8} {'p90 s':>8}"
+HEADER = (f"{'run':<22} {'tasks':>5} {'valid':>7} {'grounded':>9} {'meets':>9} {'steps':>6} {'p50 s':>8} "
+          f"{'p90 s':>8} {'local':>7}")

@@ -1,0 +1,167 @@
+"""``edged plan-eval --tiers edge,cloud,hybrid``: what escalation buys, on the same tasks.
+
+- ``edge``: on the robot: edged's batch-1 generator in this process (``--backend``, ``--quant``),
+  nothing escalated;
+- ``cloud``: by the cloud: every task through robot_sdk to cloudd, a running one
+  (``--cloud-endpoint``) or one this tool starts (``--cloud-model``: ``cloudd serve`` on loopback
+  at free ports with cloudd's defaults or ``--cloud-config``, stopped at the end, on failure
+  too);
+- ``hybrid``: through edged with its escalation policy: an edged front in this process (the same
+  backend; the ``[escalation]`` rules of ``--config``, else the defaults) linked to that cloud.
+  The robot answers what it can and escalates the rest; an escalated plan's time is the local
+  plan's and then the cloud's.
+
+Each tier's summary is ``plan_eval.summarize``'s, whose ``local_rate`` (the share answered on
+the robot) is 1.0 for edge and 0.0 for cloud. ``records`` sees every answer with its outcome
+(``--records``: one JSON line each, the edge tier's with the plan's mean token log-probability),
+the data an escalation rule is designed from. With ``--cloud-endpoint`` both cloud tiers share
+that cloudd, whose prefix cache then holds the first one's prompts when the second runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from edged.escalation import EscalationConfig
+from edged.plan_eval import (PLAN_TASKS, Answer, Answered, EvalTask, Outcome, endpoint_answerer, format_row,
+                             load_tasks, local_answerer, local_generators, run_variants)
+from robot_sdk.client import PlanClient
+
+TIERS = ("edge", "cloud", "hybrid")
+CLOUD_KV_BLOCKS = 1024  # a started cloudd's KV pool: 16,384 tokens, plenty for one plan at a time
+CLOUD_START_S = 900.0  # a large GGUF can take minutes to load on a small machine
+PLAN_TIMEOUT_S = 300.0  # robot_sdk's silence tolerance: a slow CPU cloud may think that long
+
+# (tier, variant, task, answer, outcome) for each answer, as it is judged
+Record = Callable[[str, str, EvalTask, Answered, Outcome], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOptions:
+    """What ``run_tiers`` compares, and where the cloud comes from (one of the two, unless only
+    the edge tier runs)."""
+
+    tiers: tuple[str, ...] = TIERS
+    backend: str = "onnx"  # the robot's backend and quantization (edge and hybrid)
+    quant: str = "int4"
+    cloud_model: Path | None = None  # start cloudd on this GGUF / HF folder
+    cloud_config: Path | None = None  # that cloudd's TOML ([engine]: device, dtype, compile, ...)
+    cloud_endpoint: str | None = None  # or use the cloudd listening here (no CURVE)
+    escalation: EscalationConfig = EscalationConfig()  # the hybrid's rules (its endpoint is replaced)
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tiers if t not in TIERS]
+        if unknown or not self.tiers:
+            raise ValueError(f"tiers: choose from {','.join(TIERS)} (got {','.join(self.tiers) or 'none'})")
+        needs_cloud = bool({"cloud", "hybrid"} & set(self.tiers))
+        if needs_cloud and (self.cloud_model is None) == (self.cloud_endpoint is None):
+            raise ValueError("the cloud and hybrid tiers need exactly one of --cloud-model and --cloud-endpoint")
+        if self.cloud_config is not None and self.cloud_model is None:
+            raise ValueError("--cloud-config goes with --cloud-model (the cloud this tool starts)")
+
+
+def run_tiers(model: Path, options: TierOptions, variants: Sequence[str] = ("grounded",),
+              tasks_path: Path | None = None, limit: int | None = None, threads: int = 2,
+              log: Callable[[str], None] | None = print, record: Record | None = None) -> dict:
+    """The report: ``{"tasks": n, "tiers": {"<tier>[-free]": summary, ...}}``, the tiers in the
+    order asked, one after another (each with only its own processes and models loaded)."""
+    tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
+    report: dict[str, dict] = {}
+    for tier in options.tiers:
+        seen = None if record is None else (lambda v, t, a, o, tier=tier: record(tier, v, t, a, o))
+        with tier_answerer(tier, model, options, threads) as answer:
+            summaries = run_variants(tasks, answer, variants, seen)
+        for variant, summary in summaries.items():
+            name = tier if variant == "grounded" else f"{tier}-{variant}"
+            report[name] = summary
+            if log:
+                log(format_row(name, summary))
+    return {"tasks": len(tasks), "tiers": report}
+
+
+@contextlib.contextmanager
+def tier_answerer(tier: str, model: Path, options: TierOptions, threads: int) -> Iterator[Answer]:
+    """``tier``'s answerer, and what it needs (a model, a cloud, an edged front) until the block
+    ends. A cloud this tool starts is started afresh for each tier: a cloud that answered the
+    cloud tier would hold the same prompts in its prefix cache for the hybrid's escalations."""
+    with contextlib.ExitStack() as stack:
+        if tier == "edge":
+            _, generator = next(local_generators(model, [(options.backend, options.quant)], threads))
+            yield local_answerer(generator)
+            return
+        endpoint = stack.enter_context(cloud_endpoint(options))
+        if tier == "hybrid":
+            endpoint = stack.enter_context(edged_front(model, options, endpoint, threads))
+        client = stack.enter_context(PlanClient(endpoint, robot_id="plan-eval", timeout_s=PLAN_TIMEOUT_S, retries=0))
+        yield endpoint_answerer(client)
+
+
+@contextlib.contextmanager
+def cloud_endpoint(options: TierOptions) -> Iterator[str]:
+    """``--cloud-endpoint`` as given, or the ZeroMQ endpoint of a ``cloudd serve`` started on
+    ``--cloud-model`` (``--cloud-config`` its TOML; loopback, free ports, a KV pool for one plan
+    at a time), stopped when the block ends however it ends."""
+    if options.cloud_endpoint is not None:
+        yield options.cloud_endpoint
+        return
+    from shared.daemon_process import DaemonProcess
+
+    config = ["--config", str(options.cloud_config)] if options.cloud_config is not None else []
+    cloudd = DaemonProcess("cloudd", ["serve", "--model", str(options.cloud_model), *config, "--zmq-port", "0",
+                                      "--http-port", "0", "--num-blocks", str(CLOUD_KV_BLOCKS)],
+                           ready="cloudd ready:", timeout_s=CLOUD_START_S)
+    try:
+        yield cloudd.fields["zmq"]
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # terminate() has killed it then
+            cloudd.terminate(timeout_s=30)
+
+
+@contextlib.contextmanager
+def edged_front(model: Path, options: TierOptions, cloud: str, threads: int) -> Iterator[str]:
+    """An edged server in this process (its own model copy, no pinned prompts) on a free
+    loopback port, escalating by ``options.escalation`` to ``cloud``; stopped when the block
+    ends. Yields its endpoint."""
+    from edged.config import BackendConfig, EdgeConfig
+    from edged.daemon import build_server
+    from edged.server import EdgeServeConfig
+
+    with tempfile.TemporaryDirectory(prefix="plan-eval-edged-") as scratch:
+        config = EdgeConfig(
+            backend=BackendConfig(kind=options.backend, quant=options.quant, threads=threads, model=str(model)),
+            serve=EdgeServeConfig(robot_id="plan-eval", endpoints=("tcp://127.0.0.1:0",), pinned_dir=scratch),
+            escalation=dataclasses.replace(options.escalation, cloud_endpoint=cloud, server_public_key="",
+                                           robot_secret_key=""))
+        server = build_server(config)
+        thread = threading.Thread(target=server.serve_forever, name="plan-eval-edged", daemon=True)
+        thread.start()
+        try:
+            yield server.endpoints[0]
+        finally:
+            server.stop()
+            thread.join(timeout=server.config.shutdown_grace_s + 30)
+
+
+@contextlib.contextmanager
+def json_lines(path: Path | None) -> Iterator[Record | None]:
+    """A ``Record`` writing one JSON line per answer to ``path`` (None: no records), closed when
+    the block ends."""
+    if path is None:
+        yield None
+        return
+    with open(path, "w") as f:
+
+        def write(tier: str, variant: str, task: EvalTask, answered: Answered, outcome: Outcome) -> None:
+            judged = {k: v for k, v in dataclasses.asdict(outcome).items() if k not in ("latency_s", "local")}
+            f.write(json.dumps({"tier": tier, "variant": variant, "task": task.id, **dataclasses.asdict(answered),
+                                **judged}) + "\n")
+            f.flush()
+
+        yield write
