@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cloudd.teacher_forcing import teacher_forced_logprobs
 from cloudd.trace import TraceRequest
-from kernels.dense_attention import DenseAttentionStep
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kv.radix import common_prefix_len
@@ -81,18 +81,10 @@ def greedy_outputs(ckpt: Checkpoint, model: LlamaModel, prompts: list[list[int]]
     return [r.output_token_ids for r in done]
 
 
-@torch.inference_mode()
 def _teacher_forced_hits(model: LlamaModel, prompt: list[int], continuation: list[int]) -> int:
     """Positions of ``continuation`` where ``model``'s argmax, reading everything before it, is
-    that token: one forward over prompt + continuation on a dense KV buffer."""
-    ids = prompt + continuation[:-1]
-    cfg = model.config
-    dtype = model.embed_tokens.weight.dtype
-    caches = [(torch.zeros(len(ids), cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
-               torch.zeros(len(ids), cfg.num_kv_heads, cfg.head_dim, dtype=dtype)) for _ in range(cfg.num_layers)]
-    positions = torch.arange(len(ids))
-    hidden = model(torch.tensor(ids), positions, caches, DenseAttentionStep(positions, end=len(ids)))
-    predicted = model.logits(hidden[len(prompt) - 1 :]).argmax(dim=-1)  # [len(continuation)]
+    that token (``cloudd.teacher_forcing``: one forward over prompt + continuation)."""
+    predicted = teacher_forced_logprobs(model, prompt, continuation).argmax(dim=-1)  # [len(continuation)]
     return int((predicted == torch.tensor(continuation)).sum())
 
 
