@@ -2,7 +2,7 @@
 continuation, all from one forward over prompt + continuation (nothing it predicts is fed back).
 
 ``cloudd.llamacpp_agreement`` reads each position's top-2 and margins off these rows to compare
-them with llama.cpp's.
+them with llama.cpp's; ``cloudd.dtype_agreement`` their top-1 against a float32 reference.
 """
 
 from __future__ import annotations

@@ -179,6 +179,12 @@ def run_variants(tasks: Sequence[EvalTask], answer: Answer, variants: Sequence[s
     return summaries
 
 
+def task_messages(task: EvalTask) -> tuple[dict[str, str], ...]:
+    """``task``'s plan request as the local answerer sends it: the system prompt of its skills as
+    declared (no instructions), its scene, its task."""
+    return plan_messages(task.task, task.scene, system_prompt(task.skills, None, MAX_STEPS))
+
+
 def local_answerer(generator: Batch1Generator) -> Answer:
     """Answers on edged's batch-1 generator, greedy, with as many tokens as the plan can take.
     Both variants get the same prompt (the skills as declared): only the grammar differs."""
@@ -188,7 +194,7 @@ def local_answerer(generator: Batch1Generator) -> Answer:
 
     def answer(task: EvalTask, variant: str) -> Answered:
         skills = grammar_skills(task, variant)
-        messages = list(plan_messages(task.task, task.scene, system_prompt(task.skills, None, MAX_STEPS)))
+        messages = list(task_messages(task))
         job = LocalJob(task.id, tok.encode_chat(messages), SamplingParams(max_tokens=max_plan_tokens(skills, MAX_STEPS)),
                        IncrementalDetokenizer(tok), spec=grammar_spec(response_format(skills, None, MAX_STEPS)))
         started = time.perf_counter()

@@ -14,7 +14,7 @@ from cloudd.llamacpp_agreement.prompts import PROMPT_SETS, named_prompts
 from cloudd.llamacpp_agreement.report import as_json, format_table
 from cloudd.llamacpp_agreement.run import measure
 from edged.llamacpp_peer import PeerMissing
-from shared.model.checkpoint import load_tokenizer
+from shared.model.checkpoint import load_checkpoint
 from shared.model.fetch import resolve_model
 
 
@@ -22,19 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         prompts = named_prompts(_names(args.prompts), args.plan_eval_tasks)
-        model = resolve_model(args.model)
-        results = measure(model, prompts, _names(args.dtype), args.tokens, args.threads,
+        ckpt = load_checkpoint(resolve_model(args.model))
+        results = measure(ckpt, prompts, _names(args.dtype), args.tokens, args.threads,
                           log=lambda m: print(m, file=sys.stderr, flush=True))
     except (PeerMissing, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(model)
 
     def name(token: int) -> str:
-        return tokenizer.decode([token], skip_special_tokens=False)
+        return ckpt.tokenizer.decode([token], skip_special_tokens=False)
 
     if args.json:
-        print(json.dumps(as_json(str(model), results, name, args.near_tie)))
+        print(json.dumps(as_json(str(ckpt.source), results, name, args.near_tie)))
     else:
         print(format_table(results, name, args.near_tie))
     return 0

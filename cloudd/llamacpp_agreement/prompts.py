@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from edged.plan_eval import MAX_STEPS, load_tasks
+from edged.plan_eval import load_tasks, task_messages
 from robot_sdk.prompt import plan_messages, system_prompt
 from robot_sdk.skills import as_skills
 
@@ -62,5 +62,4 @@ def _fleet_demo() -> ModuleType:
 
 def plan_eval_prompts(count: int) -> list[NamedPrompt]:
     """The first ``count`` plan-eval tasks' prompts, as its local answerer builds them."""
-    return [NamedPrompt(f"plan-eval/{t.id}", plan_messages(t.task, t.scene, system_prompt(t.skills, None, MAX_STEPS)))
-            for t in load_tasks()[:count]]
+    return [NamedPrompt(f"plan-eval/{t.id}", task_messages(t)) for t in load_tasks()[:count]]

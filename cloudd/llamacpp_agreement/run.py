@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from cloudd.dtype_agreement import greedy_outputs
 from cloudd.llamacpp_agreement import peer
@@ -20,24 +19,23 @@ from cloudd.llamacpp_agreement.prompts import NamedPrompt
 from cloudd.teacher_forcing import teacher_forced_logprobs
 from edged.llamacpp_peer import LlamaServer
 from shared.engine.engine_config import EngineConfig
-from shared.model.checkpoint import Checkpoint, load_checkpoint
+from shared.model.checkpoint import Checkpoint
 from shared.model.llama import LlamaModel
 from shared.model.weight_cache import build_cached_model
 
 
-def measure(model: Path, prompts: Sequence[NamedPrompt], dtypes: Sequence[str], tokens: int, threads: int,
+def measure(ckpt: Checkpoint, prompts: Sequence[NamedPrompt], dtypes: Sequence[str], tokens: int, threads: int,
             log: Callable[[str], None] = lambda _m: None) -> list[PromptAgreement]:
     """Every prompt's agreement in every dtype (names of ``EngineConfig.dtype`` other than
-    "auto"), dtype by dtype.
+    "auto"), dtype by dtype; ``ckpt`` loaded from a GGUF, which llama-server reads too.
 
     Raises PeerMissing without llama.cpp's build, RuntimeError when llama-server fails or
     answers in an unknown shape, ValueError on an unknown dtype.
     """
-    configs = [_engine_config(d) for d in dtypes]  # ValueError before anything loads
-    ckpt = load_checkpoint(model)
+    configs = [_engine_config(d) for d in dtypes]  # ValueError before llama-server starts
     ids = [ckpt.tokenizer.encode_chat(list(p.messages)) for p in prompts]
     results = []
-    with LlamaServer(model, threads, context=max(map(len, ids)) + tokens) as server:  # the longest fits whole
+    with LlamaServer(ckpt.source, threads, context=max(map(len, ids)) + tokens) as server:  # the longest fits whole
         log(f"llama.cpp greedy, {len(ids)} prompts x {tokens} tokens ...")
         theirs = [peer.greedy(server, p, tokens) for p in ids]
         for config in configs:
