@@ -291,7 +291,6 @@ def cmd_serve(args) -> int:
     freeze_start_up_heap()
     respond_between_steps()
     server = CloudServer(engine, serve, model_name=model_name)
-    server.monitor.describe_model(model_summary(serving))
     client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
     api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
     http = make_http_server(serve.http_host, serve.http_port,

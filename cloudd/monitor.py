@@ -112,11 +112,13 @@ class _RobotSummary:
 
 class FleetMonitor:
     def __init__(self, model: str, policy: str, window: int = 1000, throughput_window_s: float = 10.0,
-                 clock=time.monotonic, max_robots: int = 1024):
+                 clock=time.monotonic, max_robots: int = 1024, model_summary: ModelSummary | None = None):
         """Per-robot summaries are kept for the ``max_robots`` robots seen last (least recently
-        seen dropped first), so the stats reply stays small whoever sends what robot ids."""
+        seen dropped first), so the stats reply stays small whoever sends what robot ids.
+        ``model_summary``: the model's architecture and parameter count for the snapshot (None
+        where unknown)."""
         self.model = model
-        self.model_summary: ModelSummary | None = None  # describe_model()
+        self.model_summary = model_summary
         self.max_robots = max_robots
         self.policy = policy
         self.clock = clock
@@ -126,11 +128,6 @@ class FleetMonitor:
         self.robots: dict[str, _RobotSummary] = {}  # least recently seen first
         self.totals: Counter[str] = Counter()
         self._token_events: deque[tuple[float, int]] = deque()  # (when, output tokens) for throughput
-
-    def describe_model(self, summary: ModelSummary) -> None:
-        """The model's architecture and parameter count for the snapshot (whoever loaded the
-        model says them: ``cloudd serve``); until then they are None."""
-        self.model_summary = summary
 
     def on_submit(self, robot_id: str) -> None:
         self.totals["requests"] += 1

@@ -37,6 +37,7 @@ from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
 from shared.engine.engine import DeadlineUnmeetable, Engine, PreparedPrompt, TokenDelta
 from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
+from shared.model.summary import ModelSummary
 from shared.protocol.codec import ProtocolError, decode, encode
 from shared.protocol.messages import (
     Cancel,
@@ -133,7 +134,8 @@ class CloudServer:
         self.context = context or zmq.Context.instance()
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
         self.executions = ExecutionLog(config.execution_log)
-        self.monitor = FleetMonitor(model_name, engine.scheduler.policy.name)
+        self.monitor = FleetMonitor(model_name, engine.scheduler.policy.name,
+                                    model_summary=ModelSummary.of(model_name, engine.runner.model.config))
         self.metrics = ServerMetrics(config.max_robot_labels)
         self.quotas = RobotQuotas(QuotaConfig(config.robot_requests_per_s, config.robot_burst,
                                               config.robot_tokens_per_min))

@@ -39,7 +39,7 @@ class EngineReplica:
         import torch
         from ray import serve
 
-        from cloudd.__main__ import build_serving_engine, model_summary
+        from cloudd.__main__ import build_serving_engine
         from cloudd.server import CloudServer
         from shared.transport.client import FleetClient
 
@@ -53,7 +53,6 @@ class EngineReplica:
         respond_between_steps()
         self.engine = serving.engine
         self.server = CloudServer(serving.engine, internal, model_name=serving.model_name)
-        self.server.monitor.describe_model(model_summary(serving))
         self.client = FleetClient(self.server.inproc_endpoint, context=self.server.context)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._loop = threading.Thread(target=self.server.serve_forever, name="cloudd-engine", daemon=True)

@@ -16,7 +16,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
-from cloudd.__main__ import ServingEngine, engine_note, model_summary
+from cloudd.__main__ import ServingEngine, engine_note
 from cloudd.fleetctl import fmt_seconds, main, requests_view, robots_table, status_panel, top_view
 from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
@@ -50,7 +50,6 @@ def fleet() -> Iterator[Fleet]:
     engine = Engine(model, None, EngineConfig(block_size=4, num_blocks=512), policy=FleetPolicy())
     serving = ServingEngine(engine, None, "tiny", ServeConfig(zmq_port=0, shutdown_grace_s=0), "fleet", 0.0)
     server = CloudServer(engine, serving.serve, "tiny")
-    server.monitor.describe_model(model_summary(serving))  # as cmd_serve does
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     client = FleetClient(server.endpoint, ClientConfig(timeout_s=5))
