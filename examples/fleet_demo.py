@@ -53,6 +53,10 @@ def report(message: str) -> None:
 
 
 SKILLS = [goto, lift, lower, report]
+# The demo's plan requests: (name, task, max_steps). The first is answered on the robot and
+# escalated; the second is the urgent one (cloudd.llamacpp_agreement checks the model on both).
+TOTE_TASK = ("tote", "bring tote 12 from waypoint 17 to shelf A3.", 4)
+SAFETY_TASK = ("safety", "a person is in aisle 4: stop and report.", 3)
 
 
 def configs(tmp: Path, cloud_port: int, pinned_prompt: str) -> tuple[Path, Path]:
@@ -142,14 +146,14 @@ def main() -> int:
             edged = DaemonProcess("edged", ["serve", "--config", str(edged_cfg)], ready="edged ready:", timeout_s=600)
             print(cloudd.lines[-1], "\n" + edged.lines[-1], flush=True)
             with robot:
-                task = "bring tote 12 from waypoint 17 to shelf A3."
-                on_robot = robot.plan(task, scene=SCENE, skills=SKILLS, max_steps=4, escalation="local")
+                _, task, steps = TOTE_TASK
+                on_robot = robot.plan(task, scene=SCENE, skills=SKILLS, max_steps=steps, escalation="local")
                 show("1. a plan for the robot", on_robot)
                 show_side_by_side(f"2. the same task escalated to the fleet's model: {task!r}", on_robot,
-                                  robot.plan(task, scene=SCENE, skills=SKILLS, max_steps=4, escalation="cloud"))
+                                  robot.plan(task, scene=SCENE, skills=SKILLS, max_steps=steps, escalation="cloud"))
+                _, task, steps = SAFETY_TASK
                 show("3. an urgent safety plan with a 20 s deadline", robot.plan(
-                    "a person is in aisle 4: stop and report.", scene=SCENE, skills=SKILLS, max_steps=3,
-                    priority="safety", deadline_ms=20_000))
+                    task, scene=SCENE, skills=SKILLS, max_steps=steps, priority="safety", deadline_ms=20_000))
             print("\n== fleetctl status (cloudd)", flush=True)
             subprocess.run([sys.executable, "-m", "cloudd.fleetctl", "status", "--endpoint",
                             f"tcp://127.0.0.1:{cloud_port}", "--server-key", str(tmp / "keys/server/cloudd.key"),

@@ -17,9 +17,6 @@ from robot_sdk.prompt import plan_messages, system_prompt
 from robot_sdk.skills import as_skills
 
 PROMPT_SETS = ("demo", "plan-eval")
-# The demo's tasks as its main() sends them, with their max_steps (the first is the one it escalates).
-DEMO_TASKS = (("tote", "bring tote 12 from waypoint 17 to shelf A3.", 4),
-              ("safety", "a person is in aisle 4: stop and report.", 3))
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ def demo_prompts() -> list[NamedPrompt]:
     demo = _fleet_demo()
     skills = as_skills(demo.SKILLS)
     return [NamedPrompt(f"demo/{name}", plan_messages(task, demo.SCENE, system_prompt(skills, None, steps)))
-            for name, task, steps in DEMO_TASKS]
+            for name, task, steps in (demo.TOTE_TASK, demo.SAFETY_TASK)]
 
 
 def _fleet_demo() -> ModuleType:
