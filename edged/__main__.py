@@ -91,8 +91,8 @@ def cmd_plan_eval(args) -> int:
 
     if args.tiers is not None:
         return _plan_eval_tiers(args)
-    if args.cloud_model or args.cloud_config or args.cloud_endpoint or args.records:
-        raise ValueError("--cloud-model, --cloud-config, --cloud-endpoint and --records go with --tiers")
+    if args.cloud_model or args.cloud_config or args.cloud_endpoint or args.config or args.records:
+        raise ValueError("--cloud-model, --cloud-config, --cloud-endpoint, --config and --records go with --tiers")
     if not args.json:
         print(HEADER, flush=True)
     report = run_plan_eval(_model_path(args.model), args.backend, args.quant, args.variants or ("grounded", "free"),
@@ -104,7 +104,6 @@ def cmd_plan_eval(args) -> int:
 
 def _plan_eval_tiers(args) -> int:
     from edged.config import EdgeConfig
-    from edged.escalation import EscalationConfig
     from edged.plan_eval import HEADER
     from edged.plan_tiers import TierOptions, json_lines, run_tiers
     from shared.model.fetch import resolve_model
@@ -114,7 +113,7 @@ def _plan_eval_tiers(args) -> int:
     options = TierOptions(tiers=args.tiers, backend=args.backend[0], quant=args.quant[0],
                           cloud_model=resolve_model(args.cloud_model).resolve() if args.cloud_model else None,
                           cloud_config=args.cloud_config, cloud_endpoint=args.cloud_endpoint,
-                          escalation=EdgeConfig.load(args.config).escalation if args.config else EscalationConfig())
+                          escalation=(EdgeConfig.load(args.config) if args.config else EdgeConfig()).escalation)
     if not args.json:
         print(HEADER, flush=True)
     with json_lines(args.records) as record:

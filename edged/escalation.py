@@ -30,6 +30,7 @@ after a local answer (so that answer is the fallback)
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -44,6 +45,9 @@ from shared.protocol.messages import Escalation, Generate
 
 if TYPE_CHECKING:  # NOTE: the generator loads torch; the config and plan-eval's CLI import this module
     from edged.generation import LocalJob
+
+
+SCHEMAS_CACHED = 128  # json_schema specs whose validator is kept: as GrammarCompiler's compiled grammars
 
 
 class EscalationReason(enum.Enum):
@@ -144,12 +148,7 @@ def plan_is_valid(text: str, spec: GrammarSpec) -> bool:
     value = parse_structured(text, spec)
     if value is None:
         return False
-    if spec.kind == "json_schema":
-        try:
-            jsonschema.validate(value, json.loads(spec.source))
-        except jsonschema.ValidationError:
-            return False
-    return True
+    return spec.kind != "json_schema" or _schema(spec).validator.is_valid(value)
 
 
 def task_text(msg: Generate) -> str:
@@ -166,11 +165,32 @@ def unnamed(task: str, text: str, spec: GrammarSpec) -> frozenset[str]:
     value = parse_structured(text, spec)
     if value is None or spec.kind != "json_schema":
         return frozenset()
-    literals = frozenset(_literals(json.loads(spec.source)))
+    schema = _schema(spec)
     said = {v.casefold() for v in _nodes(value) if isinstance(v, str)}
-    free = "\n".join(said - {name.casefold() for name in literals})  # NOTE: no name spans two values
-    return frozenset(name for name in mentioned(task, literals)
+    free = "\n".join(said - schema.folded_literals)  # NOTE: no name spans two values
+    return frozenset(name for name in mentioned(task, schema.literals)
                      if name.casefold() not in said and not _find(name, free))
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """What the rules need of a json_schema spec, derived once per spec (``_schema``)."""
+
+    validator: jsonschema.protocols.Validator  # checked against its metaschema when built
+    literals: frozenset[str]  # every const / enum string (``_literals``)
+    folded_literals: frozenset[str]  # the same, casefolded
+
+
+@functools.lru_cache(maxsize=SCHEMAS_CACHED)
+def _schema(spec: GrammarSpec) -> _Schema:
+    """``spec``'s schema, parsed, checked and walked once: ``jsonschema.validate`` re-checks
+    the schema on every call (~20 ms for a grounded plan's on the robot's CPU), once per local
+    answer on the serve loop. Raises ``jsonschema.SchemaError`` (not cached) as it did."""
+    schema = json.loads(spec.source)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    literals = frozenset(_literals(schema))
+    return _Schema(cls(schema), literals, frozenset(name.casefold() for name in literals))
 
 
 def mentioned(text: str, names: frozenset[str]) -> frozenset[str]:

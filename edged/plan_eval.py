@@ -229,12 +229,19 @@ def run_plan_eval(model: Path, backends: Sequence[str], quants: Sequence[str], v
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
     runs: dict[str, dict] = {}
     for name, answer in _answerers(model, backends, quants, endpoint, threads):
-        for variant, summary in run_variants(tasks, answer, variants).items():
-            run = name if variant == "grounded" else f"{name}-{variant}"
-            runs[run] = summary
-            if log:
-                log(format_row(run, summary))
+        runs.update(named_runs(name, run_variants(tasks, answer, variants), log))
     return {"tasks": len(tasks), "runs": runs}
+
+
+def named_runs(name: str, summaries: Mapping[str, dict[str, float]],
+               log: Callable[[str], None] | None) -> dict[str, dict[str, float]]:
+    """``run_variants``' summaries under their report names, ``<name>`` for grounded and
+    ``<name>-<variant>`` otherwise, each logged as a row (``log`` None: not logged)."""
+    runs = {name if variant == "grounded" else f"{name}-{variant}": summary for variant, summary in summaries.items()}
+    if log:
+        for run, summary in runs.items():
+            log(format_row(run, summary))
+    return runs
 
 
 def _answerers(model: Path, backends: Sequence[str], quants: Sequence[str], endpoint: str | None,

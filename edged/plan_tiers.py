@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import subprocess
 import tempfile
@@ -30,8 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from edged.escalation import EscalationConfig
-from edged.plan_eval import (PLAN_TASKS, Answer, Answered, EvalTask, Outcome, endpoint_answerer, format_row,
-                             load_tasks, local_answerer, local_generators, run_variants)
+from edged.plan_eval import (PLAN_TASKS, Answer, Answered, EvalTask, Outcome, endpoint_answerer, load_tasks,
+                             local_answerer, local_generators, named_runs, run_variants)
 from robot_sdk.client import PlanClient
 
 TIERS = ("edge", "cloud", "hybrid")
@@ -75,14 +76,9 @@ def run_tiers(model: Path, options: TierOptions, variants: Sequence[str] = ("gro
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
     report: dict[str, dict] = {}
     for tier in options.tiers:
-        seen = None if record is None else (lambda v, t, a, o, tier=tier: record(tier, v, t, a, o))
         with tier_answerer(tier, model, options, threads) as answer:
-            summaries = run_variants(tasks, answer, variants, seen)
-        for variant, summary in summaries.items():
-            name = tier if variant == "grounded" else f"{tier}-{variant}"
-            report[name] = summary
-            if log:
-                log(format_row(name, summary))
+            summaries = run_variants(tasks, answer, variants, functools.partial(record, tier) if record else None)
+        report.update(named_runs(tier, summaries, log))
     return {"tasks": len(tasks), "tiers": report}
 
 
@@ -91,11 +87,11 @@ def tier_answerer(tier: str, model: Path, options: TierOptions, threads: int) ->
     """``tier``'s answerer, and what it needs (a model, a cloud, an edged front) until the block
     ends. A cloud this tool starts is started afresh for each tier: a cloud that answered the
     cloud tier would hold the same prompts in its prefix cache for the hybrid's escalations."""
+    if tier == "edge":
+        _, generator = next(local_generators(model, [(options.backend, options.quant)], threads))
+        yield local_answerer(generator)
+        return
     with contextlib.ExitStack() as stack:
-        if tier == "edge":
-            _, generator = next(local_generators(model, [(options.backend, options.quant)], threads))
-            yield local_answerer(generator)
-            return
         endpoint = stack.enter_context(cloud_endpoint(options))
         if tier == "hybrid":
             endpoint = stack.enter_context(edged_front(model, options, endpoint, threads))

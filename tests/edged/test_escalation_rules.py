@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from edged.circuit import BreakerState, CircuitBreaker
-from edged.escalation import (EscalationConfig, EscalationPolicy, EscalationReason, mentioned, plan_is_valid,
-                              task_text, unnamed)
+from edged.escalation import (EscalationConfig, EscalationPolicy, EscalationReason, _schema, mentioned,
+                              plan_is_valid, task_text, unnamed)
 from edged.generation import LocalJob
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
@@ -138,6 +138,15 @@ def test_the_off_task_rule_escalates_a_confident_plan_that_leaves_out_a_task_nam
     assert policy.after(task, finished("Bring it.", [-0.2]), None) is None
     off = EscalationPolicy(replace(CLOUD, check_task_names=False), local_context=1000)
     assert off.after(task, wrong, SKILLS) is None
+
+
+def test_a_specs_schema_is_parsed_and_checked_once_for_all_its_answers():
+    _schema.cache_clear()
+    wrong, right = plan(("lift", {"load": "tote 12"})), plan(("goto", {"place": "packing station"}))
+    for _ in range(3):
+        assert plan_is_valid(right, SKILLS) and not plan_is_valid(right.replace("goto", "fly"), SKILLS)
+        assert unnamed("Bring tote 12 to the packing station.", wrong, SKILLS) == {"packing station"}
+    assert (_schema.cache_info().misses, _schema.cache_info().hits) == (1, 8)
 
 
 def test_plan_validity_follows_the_schema():
