@@ -36,19 +36,16 @@ def cmd_serve(args) -> int:
 
     from edged.config import EdgeConfig
     from edged.daemon import build_server
-    from shared.model.summary import ModelSummary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = EdgeConfig.load(args.config) if args.config else EdgeConfig()
     server = build_server(config)
-    model = ModelSummary.read(_model_path(Path(config.backend.model).expanduser() if config.backend.model else None))
-    server.describe_model(model)
     freeze_start_up_heap()
     respond_between_steps()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     cloud = config.escalation.cloud_endpoint or "none"
-    print(f"edged ready: endpoints={','.join(server.endpoints)} model={model} backend={config.backend.kind}-"
+    print(f"edged ready: endpoints={','.join(server.endpoints)} model={server.model} backend={config.backend.kind}-"
           f"{config.backend.quant} cloud={cloud}", flush=True)
     server.serve_forever()
     print("edged: stopped", flush=True)

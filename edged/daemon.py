@@ -17,6 +17,7 @@ from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
 from shared.model.checkpoint import load_checkpoint
 from shared.model.fetch import ensure_default_model
+from shared.model.summary import ModelSummary
 
 log = logging.getLogger(__name__)
 
@@ -46,4 +47,5 @@ def build_server(config: EdgeConfig) -> EdgeServer:
                  "loaded from disk" if prompt.from_disk else "prefilled", seconds)
     policy = EscalationPolicy(config.escalation, local_context=backend.max_len)
     cloud = CloudLink(config.escalation) if config.escalation.cloud_endpoint else None
-    return EdgeServer(worker, compiler, policy, cloud, config.serve, model_name=model_path.stem)
+    return EdgeServer(worker, compiler, policy, cloud, config.serve,
+                      model=ModelSummary.of(model_path.stem, checkpoint.config))

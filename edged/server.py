@@ -132,7 +132,7 @@ class EdgeCounters:
 
 class EdgeServer:
     def __init__(self, worker: LocalWorker, compiler: GrammarCompiler, policy: EscalationPolicy,
-                 cloud: CloudLink | None, config: EdgeServeConfig, model_name: str,
+                 cloud: CloudLink | None, config: EdgeServeConfig, model: ModelSummary,
                  context: zmq.Context | None = None):
         self.worker = worker
         self.generator = worker.generator
@@ -141,8 +141,7 @@ class EdgeServer:
         self.policy = policy
         self.cloud = cloud
         self.config = config
-        self.model_name = model_name
-        self.model_summary: ModelSummary | None = None  # describe_model()
+        self.model = model  # what the stats say it runs
         self.context = context or zmq.Context.instance()
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
         self.executions = ExecutionLog(config.execution_log)
@@ -508,17 +507,12 @@ class EdgeServer:
         else:
             self._settle(req)
 
-    def describe_model(self, summary: ModelSummary) -> None:
-        """The model's architecture and parameter count for the stats (``edged serve`` reads
-        them); until then they are None."""
-        self.model_summary = summary
-
     def snapshot(self) -> dict:
         """The ``stats`` reply."""
         g = self.generator
         c = self.counters
         return {
-            "daemon": "edged", **model_stats(self.model_name, self.model_summary), "robot_id": self.config.robot_id,
+            "daemon": "edged", **model_stats(self.model.name, self.model), "robot_id": self.config.robot_id,
             "backend": g.backend.name, "quant": g.backend.quant, "products": g.backend.products,
             "max_len": g.backend.max_len,
             "draining": self._draining, "live": len(self.live), "local_queue": self.worker.depth,

@@ -4,7 +4,6 @@ params)``)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,17 +22,16 @@ class ModelSummary:
 
     @classmethod
     def read(cls, path: Path | str) -> ModelSummary:
-        """From a ``.gguf`` file's metadata or a HF folder's ``config.json`` alone (no weights:
-        76 ms for the default GGUF). ValueError/FileNotFoundError as ``load_checkpoint``."""
-        from shared.model.gguf_loader import read_config, read_gguf
+        """The summary of the model at ``path`` (a ``.gguf`` file or a HF folder), from its
+        checkpoint's config as the loaders read it (no weights); a daemon that loaded the model
+        uses ``of`` with its config instead. FileNotFoundError for a path that is neither;
+        ValueError as ``load_checkpoint``."""
+        from shared.model.checkpoint import load_checkpoint
 
         path = Path(path)
-        if path.is_file() and path.suffix == ".gguf":
-            metadata, tensors = read_gguf(path)
-            return cls.of(path.stem, read_config(metadata, {t.name for t in tensors}))
-        if path.is_dir() and (path / "config.json").is_file():
-            return cls.of(path.name, ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())))
-        raise FileNotFoundError(f"no .gguf file or HF folder with config.json at {path}")
+        if not (path.is_file() and path.suffix == ".gguf") and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no .gguf file or HF folder with config.json at {path}")
+        return cls.of(path.stem if path.is_file() else path.name, load_checkpoint(path).config)
 
     def __str__(self) -> str:
         return f"{self.name} ({describe(self.arch, self.params)})"
