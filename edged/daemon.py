@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from edged.backends.factory import make_backend
 from edged.cloud_link import CloudLink
@@ -16,7 +15,7 @@ from edged.server import EdgeServer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
 from shared.model.checkpoint import load_checkpoint
-from shared.model.fetch import ensure_default_model
+from shared.model.fetch import ensure_default_model, resolve_model
 from shared.model.summary import ModelSummary
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ log = logging.getLogger(__name__)
 def build_server(config: EdgeConfig) -> EdgeServer:
     """A ready server: the model loaded, every pinned prompt prefilled (or read from disk)."""
     b = config.backend
-    model_path = Path(b.model).expanduser() if b.model else ensure_default_model()
+    model_path = resolve_model(b.model) if b.model else ensure_default_model()
     checkpoint = load_checkpoint(model_path)
     backend = make_backend(b.kind, b.quant, checkpoint, model_path, b.max_len, b.threads, b.device,
                            products=b.products)
