@@ -23,7 +23,7 @@ from kernels.kv_layout import LAYOUTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 from shared.config import load_engine_config  # noqa: E402
 from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
-from shared.engine.kernel_choice import KERNEL_NAMES  # noqa: E402
+from shared.engine.kernel_choice import KernelSpec  # noqa: E402
 from shared.engine.engine_config import EngineConfig  # noqa: E402
 
 if TYPE_CHECKING:
@@ -51,8 +51,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="the layers' dense halves through torch.compile at start-up (default: the "
                         "config's [engine] compile, else on for serve and bench)")
     p.add_argument("--device", help="cpu (default) | cuda | cuda:N: model, KV pool and step tensors")
-    p.add_argument("--kernels", choices=list(KERNEL_NAMES),
-                   help="auto (default): Triton on CUDA, torch (with the C++ CPU kernels) on a CPU")
+    p.add_argument("--kernels", type=_kernels_arg,
+                   help="auto (default): Triton on CUDA, torch (with the C++ CPU kernels) on a CPU, each CPU "
+                        "operation's implementation timed at start-up; then operation=implementation items "
+                        "force one: 'auto,dense=packed,prefill_attention=gemm'")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-only steps replay CUDA graphs (default on; Triton kernels on CUDA only)")
     p.add_argument("--kv-layout", choices=list(LAYOUTS),
@@ -61,6 +63,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-batched-tokens", type=int)
+
+
+def _kernels_arg(text: str) -> str:
+    try:
+        KernelSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 # Offline replay without a config batches for throughput, as vLLM's offline LLM does: every
@@ -75,7 +85,7 @@ def _engine_config(args, offline: bool = False, compile_by_default: bool = True)
     from shared.engine.scheduler import SchedulerConfig
 
     base = load_engine_config(args.config) if args.config else EngineConfig(
-        num_blocks=8192, compile=compile_by_default,
+        num_blocks=8192, compile=compile_by_default, time_kernels=compile_by_default,
         scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
     if args.config:
         from shared.config import load_section

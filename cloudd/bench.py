@@ -140,6 +140,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                 runs[name]["compiled"] = stats.compiled
                 runs[name]["kernels"] = stats.kernels
                 runs[name]["kv_layout"] = stats.kv_layout
+                if stats.kernel_plan:
+                    runs[name]["kernel_plan"] = stats.kernel_plan
+                    log(f"   kernels: {engine.runner.kernel_plan.describe()}")
                 runs[name]["cuda_graphs"] = stats.cuda_graphs
                 runs[name]["preemptions"] = stats.preemptions
                 runs[name]["kv_blocks"] = stats.blocks_total

@@ -94,12 +94,17 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Attention of every query over its sequence's paged context (new K/V already written)."""
-    if meta.kernel_rows is not None:  # the device's kernel reads every row's blocks in place
+    if meta.kernel_rows is not None:  # the device's kernel reads rows' blocks in place
         rows = meta.kernel_rows
-        return _in_place_kernel()(q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale, False,
-                                  rows.order)[0]
+        if not meta.prefills:  # every row
+            return _in_place_kernel()(q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale, False,
+                                      rows.order)[0]
     out = torch.empty_like(q)
-    if meta.num_decodes:
+    if meta.kernel_rows is not None:  # the decode rows; the prefills below
+        n = len(rows.context_lens)
+        out[:n] = _in_place_kernel()(q[:n], k_cache, v_cache, rows.block_tables, rows.context_lens, scale, False,
+                                     rows.order)[0]
+    elif meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_new)

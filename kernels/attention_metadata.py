@@ -171,6 +171,8 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
     # With ``in_place``: every row of the step (decode rows and prefill tokens alike) for a
     # kernel that reads the pools in place; then ``decode_batches`` and ``prefills`` are empty.
+    # With ``in_place_decodes``: the first rows (the decode rows) for that kernel, beside
+    # ``prefills`` (and no ``decode_batches``).
     kernel_rows: KernelRows | None = None
 
     @staticmethod
@@ -186,6 +188,7 @@ class AttentionMetadata:
         min_saved_tokens: int = 512,
         device: torch.device | str = "cpu",
         in_place: bool = False,
+        in_place_decodes: bool = False,
     ) -> "AttentionMetadata":
         """Build metadata from plain ints.
 
@@ -200,11 +203,21 @@ class AttentionMetadata:
                 token reads (smaller ones are cheaper inside each row's own gather).
             in_place: describe every row of the step, prefill tokens included, for an in-place
                 kernel (``kernel_rows``) instead of cascade batches and prefill segments.
+            in_place_decodes: the decode rows for an in-place kernel (``kernel_rows``: the
+                first rows) and the prefills as segments (GEMM attention), no cascade.
         """
         if in_place:
             return AttentionMetadata.for_kernel_rows(
                 torch.tensor(slot_mapping, dtype=torch.int64, device=device), len(decode_block_tables),
                 KernelRows.build(decode_block_tables, decode_context_lens, prefills, null_block, device), workspace)
+        if in_place_decodes:
+            return AttentionMetadata(
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+                num_decodes=len(decode_block_tables), decode_batches=(), num_decode_parts=1,
+                decode_gather_buffer=workspace.take(0),
+                prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
+                kernel_rows=KernelRows.build(decode_block_tables, decode_context_lens, [], null_block, device)
+                if decode_block_tables else None)
         problems, num_parts = decode_problems(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
         batches = tuple(
             DecodeBatch.build(group, num_parts, block_size, null_block, device) for group in _batch_problems(problems)

@@ -12,6 +12,8 @@ separate argmax would read back from memory (about 1 ms of a step's host work).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -37,17 +39,23 @@ def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_slice: int | N
     """hidden [rows, d], the head's weight [vocab, d] -> [rows] int64: each row's first largest
     logit of ``hidden @ weight.T`` (finite logits). ``vocab_slice``: the weight rows a product
     takes at a time (default ``vocab_slice_for`` the rows and dtype)."""
-    rows = hidden.shape[0]
     if vocab_slice is None:
-        vocab_slice = vocab_slice_for(rows, hidden.dtype)
+        vocab_slice = vocab_slice_for(hidden.shape[0], hidden.dtype)
+    return greedy_over_slices(hidden.shape[0], ((start, F.linear(hidden, weight[start : start + vocab_slice]))
+                                                for start in range(0, weight.shape[0], vocab_slice)))
+
+
+def greedy_over_slices(rows: int, slices: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """[rows] int64: each row's first largest logit over the vocabulary that ``slices`` covers in
+    order, each ``(first vocabulary row, its logits [rows, slice])``, taken one at a time while
+    they are in cache (``kernels.onednn_linear.PackedHead`` makes them from packed slices)."""
     zeros = torch.zeros(rows, dtype=torch.float32)
     best_value = best_token = None
-    for start in range(0, weight.shape[0], vocab_slice):
-        scores = F.linear(hidden, weight[start : start + vocab_slice])
+    for start, scores in slices:
         token = sample_rows(scores, zeros, zeros).to(scores.device)
         value = scores.gather(1, token[:, None]).squeeze(1)
         if best_value is None:
-            best_value, best_token = value, token
+            best_value, best_token = value, token + start
             continue
         better = value > best_value  # NOTE: strictly: a tie keeps the earlier (smaller) token
         best_value = torch.where(better, value, best_value)

@@ -77,6 +77,12 @@ def model_cache_dir() -> Path:
     return base / "fleetserve" / "models"
 
 
+def kernel_choice_file() -> Path:
+    """Where the engine keeps its measured kernel choices (``shared.engine.kernel_choice``): beside
+    the models, ``kernel-choice.json`` in ``model_cache_dir()``'s parent."""
+    return model_cache_dir().parent / "kernel-choice.json"
+
+
 def peer_scripts_dir() -> Path:
     """The peers' scripts (``vllm-cpu/offline.py``, ...; ARCHITECTURE §6).
 

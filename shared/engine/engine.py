@@ -26,6 +26,9 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.matcher import MaskBatch
 from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
+from shared.config import kernel_choice_file
+from shared.engine.kernel_choice import ChoiceCache, KernelSpec
+from shared.engine.kernel_timing import choose_plan
 from shared.engine.kv.block_pool import BlockPool
 from shared.engine.kv.disk_tier import DiskTier
 from shared.engine.kv.hashed import HashedBlockIndex
@@ -113,6 +116,9 @@ class EngineStats:
     kernels: str = "torch"  # what a step runs on: "torch" | "triton" (EngineConfig.kernels resolved)
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs
     kv_layout: str = "tokens"  # the KV pools' layout (EngineConfig.kv_layout resolved)
+    # the CPU operations' implementations and how each was settled (KernelPlan.as_dict; empty
+    # off the CPU torch backend)
+    kernel_plan: dict = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -160,6 +166,10 @@ class Engine:
         # layers are fused kernels already: nothing for inductor to fuse.
         if config.compile and kernels == "triton":
             log.info("compile ignored: the Triton kernels fuse the layers' small ops")
+        self.runner.apply_plan(choose_plan(self.runner, KernelSpec.parse(config.kernels), config.time_kernels,
+                                           ChoiceCache(kernel_choice_file())))
+        if self.runner.kernel_plan.chosen:
+            log.info("kernels: %s", self.runner.kernel_plan.describe())
         self.compile_seconds = _compile_layers(model) if config.compile and kernels == "torch" else None
         self.tiers = _make_tiers(config, self.pool, self.runner, lambda n: self.scheduler.rate.seconds_for(
             n, self.scheduler.config.max_num_batched_tokens))
@@ -586,6 +596,7 @@ class Engine:
             kernels=self.runner.kernels,
             cuda_graphs=self.runner.graphs is not None,
             kv_layout=self.runner.kv_layout,
+            kernel_plan=self.runner.kernel_plan.as_dict() if self.runner.kernel_plan.chosen else {},
         )
 
     # --- internals -------------------------------------------------------------------------

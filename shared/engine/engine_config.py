@@ -14,7 +14,7 @@ import torch
 
 from kernels.kv_layout import LAYOUTS
 from shared.engine.dtype_choice import DTYPE_NAMES, DtypeChoice, resolve_dtype
-from shared.engine.kernel_choice import KERNEL_NAMES, resolve_kernels
+from shared.engine.kernel_choice import KernelSpec, resolve_kernels
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.scheduler import SchedulerConfig
 
@@ -31,8 +31,14 @@ class EngineConfig:
     # cloudd's config and command line turn it on; off here, so a library user or a test pays
     # no compile.
     compile: bool = False
-    # "auto" | "triton" | "torch" (shared.engine.kernel_choice): auto is Triton on CUDA
+    # "auto" | "triton" | "torch", then any operation=implementation items that force one
+    # (shared.engine.kernel_choice): auto is Triton on CUDA; "auto,dense=packed"
     kernels: str = "auto"
+    # On a CPU, time each operation's implementations on the model at start-up and keep the
+    # fastest (cached per CPU and model): cloudd's config and command line turn it on; off here,
+    # so a library user's or a test's kernels never depend on timings (each unforced operation
+    # then runs its first implementation, shared.engine.kernel_choice.OPERATIONS)
+    time_kernels: bool = False
     # Decode-only steps replay CUDA graphs, one per batch-size bucket (shared.engine.decode_graphs);
     # only with the Triton kernels on CUDA, ignored elsewhere
     cuda_graphs: bool = True
@@ -50,8 +56,7 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.prefix_index not in ("radix", "hashed"):
             raise ValueError(f"prefix_index must be 'radix' or 'hashed', got {self.prefix_index!r}")
-        if self.kernels not in KERNEL_NAMES:
-            raise ValueError(f"kernels must be one of {list(KERNEL_NAMES)}, got {self.kernels!r}")
+        KernelSpec.parse(self.kernels)  # ValueError naming the problem
         if self.kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout must be one of {list(LAYOUTS)}, got {self.kv_layout!r}")
         if self.dtype not in DTYPE_NAMES:

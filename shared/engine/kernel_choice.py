@@ -1,31 +1,223 @@
-"""Which kernels a step runs on (``[engine] kernels``), resolved for the device.
+"""Which kernels a step runs on (``[engine] kernels``), resolved for the device, and on a CPU
+which implementation of each hot operation, chosen by timing them on the model's shapes.
+
+The backend, the first item of ``kernels``:
 
 - ``triton``: the Triton kernels (``kernels.triton_attention``, ``kernels.triton_layers``): paged
   decode and extend attention, rotary fused with the KV write, RMSNorm fused with the residual
   add. A GPU's path; on a CPU only under ``TRITON_INTERPRET=1`` (the interpreter: for tests,
   about a thousand times slower than a GPU).
-- ``torch``: plain torch (``kernels.attention``: the shared-prefix cascade of batched GEMMs),
-  calling the C++ CPU kernels where they build on a CPU. The reference the Triton path is
-  checked against, and the CPU's fast path.
+- ``torch``: plain torch and the library kernels under it, calling the C++ CPU kernels where they
+  build on a CPU. The reference the Triton path is checked against, and the CPU's path.
 - ``auto`` (the default): ``triton`` on CUDA, ``torch`` on a CPU.
+
+On a CPU, CPUs disagree about which implementation of an operation is fastest (an AMD EPYC with
+AVX-512 BF16 runs our C++ vector kernels well; an Intel Xeon with AMX has its speed in the
+matrix tiles that oneDNN's GEMMs use and our vector code does not), so each operation of
+``OPERATIONS`` with more than one implementation here is timed at start-up on the model's real
+shapes (``shared.engine.kernel_timing``) and the fastest kept. The choice is cached per CPU
+signature and model shape (``ChoiceCache``), printed at start-up and reported in ``stats``.
+Later items of ``kernels`` force an operation: ``"auto,dense=packed"``, ``"torch,prefill_attention=gemm"``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 KERNEL_NAMES = ("auto", "triton", "torch")
 
+# operation -> its implementations on the CPU torch backend, in the order ties go
+OPERATIONS: dict[str, tuple[str, ...]] = {
+    # the layers' projections: torch's linear (oneDNN reorders the weight on every call) or
+    # oneDNN with every weight packed once at start-up (kernels.onednn_linear)
+    "dense": ("linear", "packed"),
+    # the LM head: torch's linear over vocabulary slices, or the slices packed once (extra memory:
+    # the head's size again; kernels.onednn_linear.PackedHead)
+    "head": ("linear", "packed"),
+    # prefill chunks' attention over their cached context: rows of the C++ in-place paged kernel
+    # (kernels.paged_decode_cpu, vector code), or per-chunk GEMMs on the library's matmul (AMX
+    # where the CPU has it) around the C++ softmax (kernels.attention.gemm_attention)
+    "prefill_attention": ("rows", "gemm"),
+}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """``[engine] kernels`` parsed: a backend and the operations it forces."""
+
+    backend: str = "auto"
+    forced: Mapping[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def parse(text: str) -> "KernelSpec":
+        """``"auto"``, ``"torch,dense=packed"``, ``"dense=linear,prefill_attention=rows"`` (backend
+        auto). ValueError naming what is wrong: an unknown backend, operation or implementation."""
+        items = [item.strip() for item in text.split(",")]
+        backend = "auto"
+        if items and "=" not in items[0]:
+            backend = items.pop(0)
+        if backend not in KERNEL_NAMES:
+            raise ValueError(f"kernels must start with one of {list(KERNEL_NAMES)} or an operation=implementation "
+                             f"item, got {text!r}")
+        forced: dict[str, str] = {}
+        for item in items:
+            op, sep, impl = (part.strip() for part in item.partition("="))
+            if not sep or op not in OPERATIONS:
+                raise ValueError(f"kernels item {item!r}: expected operation=implementation, operations "
+                                 f"{list(OPERATIONS)}")
+            if impl not in OPERATIONS[op]:
+                raise ValueError(f"kernels item {item!r}: {op} is one of {list(OPERATIONS[op])}")
+            if op in forced:
+                raise ValueError(f"kernels names {op} twice: {text!r}")
+            forced[op] = impl
+        if forced and backend == "triton":
+            raise ValueError(f"kernels: {list(forced)} choose among the torch backend's implementations, "
+                             f"not triton's: {text!r}")
+        return KernelSpec(backend, forced)
+
 
 def resolve_kernels(name: str, device: str) -> str:
-    """"triton" or "torch" for ``name`` on ``device`` ("cpu", "cuda", "cuda:N"). ValueError for an
-    unknown name, or "triton" on a CPU without the interpreter."""
-    if name not in KERNEL_NAMES:
-        raise ValueError(f"kernels must be one of {list(KERNEL_NAMES)}, got {name!r}")
+    """"triton" or "torch" for ``kernels`` ``name`` (any ``KernelSpec`` form) on ``device``
+    ("cpu", "cuda", "cuda:N"). ValueError for a bad spec, or "triton" on a CPU without the
+    interpreter."""
+    backend = KernelSpec.parse(name).backend
     on_gpu = device.startswith("cuda")
-    if name == "auto":
+    if backend == "auto":
         return "triton" if on_gpu else "torch"
-    if name == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels = 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret them on "
                          "the CPU, for tests: about a thousand times slower)")
-    return name
+    return backend
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One implementation per operation, and how each was settled: "forced" (the config),
+    "only" (one candidate here), "measured" or "cached" (timed now, or earlier on this CPU and
+    model). ``timings_ms``: per operation, per shape bucket, per candidate, as measured."""
+
+    chosen: Mapping[str, str]
+    how: Mapping[str, str]
+    timings_ms: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: ``dense=packed (measured: 9.9 vs 14.4 ms) prefill_attention=rows (forced)``."""
+        parts = []
+        for op, impl in self.chosen.items():
+            how = self.how[op]
+            totals = _totals(self.timings_ms.get(op, {}))
+            if totals and how in ("measured", "cached"):
+                others = " vs ".join(f"{totals[c]:.1f}" for c in totals if c != impl)
+                how += f": {totals[impl]:.1f} vs {others} ms"
+            parts.append(f"{op}={impl} ({how})")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"chosen": dict(self.chosen), "how": dict(self.how),
+                "timings_ms": {op: {b: dict(c) for b, c in buckets.items()} for op, buckets in self.timings_ms.items()}}
+
+
+def _totals(buckets: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Each candidate's time summed over the buckets (only candidates timed in every bucket)."""
+    if not buckets:
+        return {}
+    common = set.intersection(*(set(c) for c in buckets.values()))
+    return {c: sum(b[c] for b in buckets.values()) for c in next(iter(buckets.values())) if c in common}
+
+
+def fastest(op: str, buckets: Mapping[str, Mapping[str, float]]) -> str:
+    """The implementation of ``op`` with the least time summed over the shape buckets (an
+    operation whose implementations cannot differ per bucket, like packed weights, which replace
+    the dense ones, takes one for all); ties go to the earlier one in ``OPERATIONS``. ValueError
+    when no candidate was timed in every bucket."""
+    totals = _totals(buckets)
+    if not totals:
+        raise ValueError(f"no {op} implementation was timed in every shape bucket: {dict(buckets)}")
+    return min(totals, key=lambda c: (totals[c], OPERATIONS[op].index(c)))
+
+
+def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str, str],
+                 measure, cached: KernelPlan | None = None) -> KernelPlan:
+    """The plan for operations with ``candidates`` (those available here, per operation): a
+    forced one where ``forced`` names it (ValueError if it is not available here), the only one
+    where there is one, else the cached choice when ``cached`` has this operation measured, else
+    ``fastest`` of ``measure(op)`` (shape bucket -> candidate -> ms)."""
+    chosen, how, timings = {}, {}, {}
+    for op, available in candidates.items():
+        if op in forced:
+            if forced[op] not in available:
+                raise ValueError(f"kernels forces {op}={forced[op]}, which this machine or model lacks "
+                                 f"(available here: {list(available)})")
+            chosen[op], how[op] = forced[op], "forced"
+        elif len(available) == 1:
+            chosen[op], how[op] = available[0], "only"
+        elif cached is not None and cached.how.get(op) in ("measured", "cached") and cached.chosen[op] in available:
+            chosen[op], how[op], timings[op] = cached.chosen[op], "cached", cached.timings_ms.get(op, {})
+        else:
+            timings[op] = measure(op)
+            chosen[op], how[op] = fastest(op, timings[op]), "measured"
+    return KernelPlan(chosen, how, timings)
+
+
+def cpu_signature(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """What makes one CPU's timings another's: model name, the flags kernels branch on, cores
+    this process may use, and the torch build (its oneDNN)."""
+    import torch
+
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        text = ""
+    lines = text.splitlines()
+    name = next((line.partition(":")[2].strip() for line in lines if line.startswith("model name")), platform.processor())
+    flags = set(next((line.partition(":")[2] for line in lines if line.startswith("flags")), "").split())
+    kernel_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{name}|{','.join(kernel_flags)}|{len(os.sched_getaffinity(0))} cores|torch {torch.__version__}"
+
+
+class ChoiceCache:
+    """Measured plans in one JSON file, keyed by CPU signature and model shape; unreadable or
+    stale files are ignored (and rewritten), never fatal."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def get(self, key: str) -> KernelPlan | None:
+        entry = self._entries().get(key)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return KernelPlan(dict(entry["chosen"]), dict(entry["how"]), entry.get("timings_ms", {}))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, key: str, plan: KernelPlan) -> None:
+        """Store ``plan``'s measured operations (forced and only ones are not choices)."""
+        measured = [op for op, how in plan.how.items() if how in ("measured", "cached")]
+        if not measured:
+            return
+        entries = self._entries()
+        entries[key] = {"chosen": {op: plan.chosen[op] for op in measured}, "how": {op: "measured" for op in measured},
+                        "timings_ms": {op: plan.timings_ms[op] for op in measured if op in plan.timings_ms}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            temp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+            temp.replace(self.path)
+        except OSError as e:
+            log.warning("could not cache the kernel choice in %s: %s", self.path, e)
+
+    def _entries(self) -> dict:
+        try:
+            entries = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return entries if isinstance(entries, dict) else {}

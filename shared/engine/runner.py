@@ -13,6 +13,7 @@ from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace, KernelRows, expand_runs
 from kernels.greedy_head import greedy_head
 from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
+from kernels.onednn_linear import PACKED_LAYERS, PackedHead, pack_head, pack_layer_linears
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_paired
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
@@ -21,6 +22,7 @@ from kernels.triton_layers import TRITON_LAYERS
 from kernels.triton_support import check_tiles
 from shared.engine.block_table_rows import BlockTableRows
 from shared.engine.decode_graphs import DecodeGraphs
+from shared.engine.kernel_choice import KernelPlan
 from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -104,6 +106,9 @@ class ModelRunner:
             model.layer_functions = TRITON_LAYERS
         elif kernels != "torch":
             raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+        # how prompt chunks attend (apply_plan): rows of the in-place kernel, or GEMM segments
+        self.prefill_attention = "rows" if self.decode_in_place else "gemm"
+        self.kernel_plan = KernelPlan({}, {})  # what apply_plan chose (empty: the defaults above)
         self._flops = _FlopCounter(model)
         self._decode_programs = launch_programs(self.device)  # the Triton decode launch's target
         self.graphs: DecodeGraphs | None = None
@@ -137,7 +142,8 @@ class ModelRunner:
         of ``execute``'s logits, without those logits (``kernels.greedy_head``)."""
         hidden = self._forward(out)
         with maybe_phase(self.profile, "logits"):
-            return greedy_head(hidden, self.model.lm_head.weight).tolist()
+            head = self.model.lm_head
+            return (head.greedy(hidden) if isinstance(head, PackedHead) else greedy_head(hidden, head.weight)).tolist()
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         """The step's forward pass: the final hidden states of the rows whose logits it samples
@@ -149,13 +155,12 @@ class ModelRunner:
         graphed = False
         with maybe_phase(profile, "metadata"):
             self._copy_slots(out.copies)
-            if self._table_rows is not None:
-                batch = self._rows_batch(out)
-            else:
+            if self.graphs is not None:
                 inputs = self._prepare(out)
-                graphed = (self.graphs is not None and not inputs.prefills and not out.fences
-                           and self.graphs.takes(len(inputs.input_ids)))
+                graphed = not inputs.prefills and not out.fences and self.graphs.takes(len(inputs.input_ids))
                 batch = None if graphed else self._segments_batch(inputs)
+            else:
+                batch = self.step_batch(out)
         attention_before = profile.seconds["attention"] if profile is not None else 0.0
         with maybe_phase(profile, "model"):
             if graphed:
@@ -188,7 +193,8 @@ class ModelRunner:
         shapes). It reads and writes only the null block, whose K/V is zeroed again after."""
         bs = self.block_size
         table = [NULL_BLOCK] * -(-num_tokens // bs)
-        meta = self._metadata([], [], [(table, 0, num_tokens)], [NULL_BLOCK * bs + i % bs for i in range(num_tokens)])
+        meta = self._metadata([], [], [(table, 0, num_tokens)], [NULL_BLOCK * bs + i % bs for i in range(num_tokens)],
+                              in_place=self.decode_in_place and self.prefill_attention == "rows")
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(tokens, torch.arange(num_tokens, device=self.device), self.kv_caches, self._step(meta))
         self.model.logits(hidden[-1:], dtype=None)
@@ -223,10 +229,38 @@ class ModelRunner:
             step.sample_rows += range(end - c.num_logits, end)
         return step
 
+    def step_batch(self, out: SchedulerOutput, prefill_attention: str | None = None) -> StepBatch:
+        """The step's tensors and attention metadata for ``prefill_attention`` (default: this
+        runner's, ``apply_plan``): with "rows" every token is a row of the in-place kernel
+        (``_rows_batch``); with "gemm" a step that has prompt chunks runs them as segments of
+        GEMM attention beside its decode rows in the kernel (``_segments_batch``), and a step
+        without any is all rows."""
+        choice = prefill_attention or self.prefill_attention
+        if self._table_rows is not None and (choice == "rows" or not any(not _as_decode_rows(c) for c in out.prefills)):
+            return self._rows_batch(out)
+        return self._segments_batch(self._prepare(out))
+
+    def apply_plan(self, plan: KernelPlan) -> None:
+        """Run the implementations ``plan`` chose (``shared.engine.kernel_choice``): packed
+        projections (the model's dense weights replaced, ``kernels.onednn_linear``; before
+        ``LlamaModel.compile_layers``), a packed LM head, and how prompt chunks attend."""
+        if plan.chosen.get("dense") == "packed":
+            pack_layer_linears(self.model)
+            self.model.use_layer_functions(PACKED_LAYERS)
+        if plan.chosen.get("head") == "packed":
+            pack_head(self.model)
+        prefill = plan.chosen.get("prefill_attention", self.prefill_attention)
+        if prefill == "rows" and self._table_rows is None:
+            raise ValueError("prefill_attention 'rows' needs the in-place CPU kernel, which this runner lacks")
+        self.prefill_attention = prefill
+        self.kernel_plan = plan
+
     def _segments_batch(self, inputs: StepInputs) -> StepBatch:
-        """``_prepare``'s plain ints as tensors and metadata (``_metadata``)."""
+        """``_prepare``'s plain ints as tensors and metadata (``_metadata``): the prefills as
+        segments, the decode rows in place where the kernel runs (else as the cascade)."""
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
-        meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots)
+        meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots,
+                              in_place_decodes=self.decode_in_place)
         return StepBatch(as_tensor(inputs.input_ids), as_tensor(inputs.positions), as_tensor(inputs.sample_rows),
                          meta)
 
@@ -260,9 +294,12 @@ class ModelRunner:
                          torch.from_numpy(sample_rows).to(device), meta)
 
     def _metadata(self, decode_block_tables: list[list[int]], decode_context_lens: list[int],
-                  prefills: list[tuple[list[int], int, int]], slot_mapping: list[int]):
+                  prefills: list[tuple[list[int], int, int]], slot_mapping: list[int], in_place: bool = False,
+                  in_place_decodes: bool = False):
         """A step's attention metadata in this runner's pool, on its device, for its kernels
-        (``AttentionMetadata``, or ``TritonAttentionMetadata`` with the Triton kernels)."""
+        (``AttentionMetadata``, with ``in_place`` every token as a row of the in-place kernel,
+        with ``in_place_decodes`` the decode rows; or ``TritonAttentionMetadata`` with the
+        Triton kernels)."""
         if self.kernels == "triton":
             return TritonAttentionMetadata.build(decode_block_tables, decode_context_lens, prefills, slot_mapping,
                                                  self.block_size, self.model.config.num_kv_heads, self.device,
@@ -277,7 +314,8 @@ class ModelRunner:
             workspace=self.workspace,
             query_group=self.model.config.num_heads // self.model.config.num_kv_heads,
             device=self.device,
-            in_place=self.decode_in_place,
+            in_place=in_place,
+            in_place_decodes=in_place_decodes,
         )
 
     def _copy_slots(self, copies: list[SlotCopy]) -> None:
@@ -309,7 +347,8 @@ class _FlopCounter:
 
     def __init__(self, model: LlamaModel):
         cfg = model.config
-        self.dense = 2 * sum(p.numel() for name, p in model.layers.named_parameters() if name.endswith("proj.weight"))
+        # NOTE: shapes, not parameters: packed projections hold their weights outside the module
+        self.dense = 2 * sum(m.weight.shape.numel() for name, m in model.layers.named_modules() if name.endswith("proj"))
         self.attention = 4 * cfg.num_heads * cfg.head_dim  # per query token and context token
         self.logits = 2 * cfg.hidden_size * cfg.vocab_size
 

@@ -142,13 +142,18 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_up_proj.weight, self.down_proj.weight)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # NOTE: the modules: a packed one holds no dense weight
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
-def swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
+Linear = Callable[..., torch.Tensor]  # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]
+
+
+def swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+           linear: Linear = nn.functional.linear) -> torch.Tensor:
     """The SwiGLU MLP with gate and up projections fused into one weight (gate rows first)."""
-    gate, up = nn.functional.linear(x, gate_up_weight).chunk(2, dim=-1)
-    return nn.functional.linear(nn.functional.silu(gate) * up, down_weight)
+    gate, up = linear(x, gate_up_weight).chunk(2, dim=-1)
+    return linear(nn.functional.silu(gate) * up, down_weight)
 
 
 def attention_inputs(
@@ -161,9 +166,11 @@ def attention_inputs(
     sin: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    linear: Linear = nn.functional.linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, heads, D], k and v [T, kv_heads, D]
-    """A layer's dense work before attention: RMSNorm, the fused QKV projection, rotary on q and k."""
-    qkv = nn.functional.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    """A layer's dense work before attention: RMSNorm, the fused QKV projection, rotary on q and
+    k. ``linear`` multiplies by a weight (``kernels.onednn_linear.packed_linear``: a packed one)."""
+    qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     head_dim = cos.shape[-1] * 2
     # q and k sit side by side in qkv's rows: one rotation for both
     qk = apply_rotary(qkv[:, : (num_heads + num_kv_heads) * head_dim].view(-1, num_heads + num_kv_heads, head_dim),
@@ -181,11 +188,12 @@ def attention_outputs(
     eps: float,
     gate_up_weight: torch.Tensor,
     down_weight: torch.Tensor,
+    linear: Linear = nn.functional.linear,
 ) -> torch.Tensor:  # [T, hidden] the residual stream after the layer
     """A layer's dense work after attention: the output projection and residual, RMSNorm, the
     SwiGLU MLP and residual."""
-    x = x + nn.functional.linear(attended.flatten(1), o_weight)
-    return x + swiglu(rms_norm(x, norm_weight, eps), gate_up_weight, down_weight)
+    x = x + linear(attended.flatten(1), o_weight)
+    return x + swiglu(rms_norm(x, norm_weight, eps), gate_up_weight, down_weight, linear)
 
 
 @dataclass(frozen=True)
@@ -241,7 +249,13 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.eager_functions = EAGER  # what forwards of fewer than compiled_min_tokens tokens run
         self.layer_functions = EAGER  # compile_layers() swaps in compiled ones
+        self.compiled_min_tokens = 0
+
+    def use_layer_functions(self, functions: LayerFunctions) -> None:
+        """Run ``functions`` in every forward (uncompiled; ``compile_layers`` compiles them)."""
+        self.eager_functions = self.layer_functions = functions
         self.compiled_min_tokens = 0
 
     def compile_layers(self, min_tokens: int = COMPILED_MIN_TOKENS) -> float:
@@ -255,15 +269,16 @@ class LlamaModel(nn.Module):
         if min_tokens < 2:
             raise ValueError(f"min_tokens must be >= 2 (one token specializes the compiled shapes), got {min_tokens}")
         started = time.perf_counter()
+        eager = self.eager_functions
         self.layer_functions = LayerFunctions(
-            attention_inputs=torch.compile(attention_inputs),
-            attention_outputs=torch.compile(attention_outputs),
+            attention_inputs=torch.compile(eager.attention_inputs),
+            attention_outputs=torch.compile(eager.attention_outputs),
         )
         self.compiled_min_tokens = min_tokens
         try:
             self._compile_now(min_tokens)
         except Exception:
-            self.layer_functions, self.compiled_min_tokens = EAGER, 0
+            self.layer_functions, self.compiled_min_tokens = eager, 0
             raise
         return time.perf_counter() - started
 
@@ -297,7 +312,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
-        fns = self.layer_functions if len(input_ids) >= self.compiled_min_tokens else EAGER
+        fns = self.layer_functions if len(input_ids) >= self.compiled_min_tokens else self.eager_functions
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, step, fns)
         return self.norm(x)

@@ -15,6 +15,7 @@ offsets), and the crc32 of its data; a partial or corrupt file is ignored and wr
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -129,7 +130,29 @@ def read_converted(file: Path, config: ModelConfig, dtype: torch.dtype) -> Llama
         tensors[name] = tensor if offset % _ALIGN == 0 else tensor.clone()
         offset += _nbytes(param)
     model.load_state_dict(tensors, strict=False, assign=True)  # NOTE: a tied head is tied below
-    return finish_model(model)
+    model = finish_model(model)
+    model.mapped_weights = MappedWeights(pages)
+    return model
+
+
+class MappedWeights:
+    """The converted file's pages a model's parameters view (``read_converted``), so that a
+    weight replaced by another form (``kernels.onednn_linear`` packs them) stops counting in the
+    process's memory: ``release`` drops its pages, which a private mapping of an unchanged file
+    can always read back (a later read of the old tensor faults them in again, same bytes)."""
+
+    def __init__(self, pages: mmap.mmap):
+        self._pages = pages
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop the whole pages inside ``tensor``'s bytes, if it views these pages (else nothing)."""
+        start, end = tensor.data_ptr() - self._base, tensor.data_ptr() + _nbytes(tensor) - self._base
+        if start < 0 or end > len(self._pages):
+            return
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._pages.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _problem(pages: mmap.mmap, params: dict[str, torch.Tensor]) -> str | None:

@@ -50,7 +50,15 @@ def test_paged_attention_with_the_in_place_cpu_kernel_equals_dense(seed, num_dec
     assert_paged_equals_dense(seed, num_decodes, num_prefills, in_place=True)
 
 
-def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int, in_place: bool = False) -> None:
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="the CPU decode kernel could not be built here")
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), num_decodes=st.integers(0, 5), num_prefills=st.integers(0, 3))
+def test_decode_rows_in_place_beside_gemm_prefill_segments_equal_dense(seed, num_decodes, num_prefills):
+    assert_paged_equals_dense(seed, num_decodes, num_prefills, in_place_decodes=True)
+
+
+def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int, in_place: bool = False,
+                              in_place_decodes: bool = False) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, BS, KVH, DIM)
@@ -75,10 +83,13 @@ def assert_paged_equals_dense(seed: int, num_decodes: int, num_prefills: int, in
     meta = AttentionMetadata.build(
         [t for t, _ in decodes], [n for _, n in decodes], prefills, slot_mapping=[0] * rows,
         block_size=BS, null_block=0, workspace=GatherWorkspace(BS * KVH * DIM, torch.float32),
-        query_group=HEADS // KVH, min_saved_tokens=1, in_place=in_place,
+        query_group=HEADS // KVH, min_saved_tokens=1, in_place=in_place, in_place_decodes=in_place_decodes,
     )
-    assert (meta.kernel_rows is not None) == in_place
+    assert (meta.kernel_rows is not None) == (in_place or (in_place_decodes and num_decodes > 0))
     assert not in_place or not (meta.decode_batches or meta.prefills)  # the kernel takes every row
+    if in_place_decodes:  # the kernel takes the decode rows, the prefills are segments
+        assert not meta.decode_batches and len(meta.prefills) == num_prefills
+        assert meta.kernel_rows is None or len(meta.kernel_rows.context_lens) == num_decodes
     out = paged_attention(q, k_cache, v_cache, meta, scale=DIM**-0.5)
 
     def context(table, length):

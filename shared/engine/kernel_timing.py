@@ -1,0 +1,158 @@
+"""Times each candidate implementation of the CPU's hot operations on one model's real shapes, for
+``shared.engine.kernel_choice.plan_kernels``, and applies the plan to a ``ModelRunner``.
+
+Each candidate is timed in a few shape buckets that stand for the steps a fleet runs (a batched
+decode step's rows, a prefill step's chunks), the median of a few calls after one warm-up call;
+the whole measurement takes well under a second for SmolLM2-135M and a few seconds for a 1.5B
+model. Timings read nothing but the model's first layer and scratch inputs: the KV pools are
+read, never written.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import onednn_linear
+from kernels.attention import paged_attention
+from kernels.greedy_head import greedy_head
+from shared.engine.kernel_choice import ChoiceCache, KernelPlan, KernelSpec, cpu_signature, plan_kernels
+from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+DENSE_ROWS = {"decode": 32, "prefill": 512}  # bucket -> token rows of a layer's projections
+# bucket -> (chunks, cached tokens before each, new tokens in each): the prefill steps of a fleet
+# trace (a few hundred new tokens after a system prompt and scene the radix cache holds)
+PREFILL_CHUNKS = {"prefill": (4, 384, 128)}
+REPEATS = 5
+
+
+def candidates(runner) -> dict[str, tuple[str, ...]]:
+    """The implementations each operation has on this runner's device, dtype and model. A
+    model whose projections an earlier engine already packed keeps them packed."""
+    model = runner.model
+    if runner.device.type != "cpu" or runner.kernels != "torch":
+        return {}
+    layer = model.layers[0]
+    if isinstance(layer.mlp.down_proj, onednn_linear.PackedLinear):
+        dense = ("packed",)
+    else:
+        dense = ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",)
+    head = ("packed",) if isinstance(model.lm_head, onednn_linear.PackedHead) else (
+        ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",))
+    prefill = ("rows", "gemm") if runner.decode_in_place else ("gemm",)
+    return {"dense": dense, "head": head, "prefill_attention": prefill}
+
+
+def measurer(runner) -> Callable[[str], dict[str, dict[str, float]]]:
+    """``op`` -> shape bucket -> candidate -> milliseconds, on ``runner``'s model and pools."""
+    def measure(op: str) -> dict[str, dict[str, float]]:
+        if op == "dense":
+            return time_dense(runner.model.layers[0])
+        if op == "head":
+            return time_head(runner.model.lm_head)
+        if op == "prefill_attention":
+            return time_prefill_attention(runner)
+        raise ValueError(f"no timing for operation {op!r}")
+    return measure
+
+
+def median_ms(call: Callable[[], object], repeats: int = REPEATS) -> float:
+    """The median wall time of ``call`` in milliseconds, after one untimed call."""
+    call()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def time_dense(layer) -> dict[str, dict[str, float]]:
+    """One layer's four projections (q/k/v with its bias, o, gate/up, down) per bucket of rows:
+    torch's ``linear`` on the dense weights and ``packed_linear`` on copies packed here."""
+    weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias), (layer.self_attn.o_proj.weight, None),
+               (layer.mlp.gate_up_proj.weight, None), (layer.mlp.down_proj.weight, None)]
+    packed = [(onednn_linear.PackedLinear(w), b) for w, b in weights]
+    timings = {}
+    with torch.inference_mode():
+        for bucket, rows in DENSE_ROWS.items():
+            inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w, _ in weights]
+            timings[bucket] = {
+                "linear": median_ms(lambda: [F.linear(x, w, b) for x, (w, b) in zip(inputs, weights)]),
+                "packed": median_ms(lambda: [onednn_linear.packed_linear(x, p.weight, b)
+                                             for x, (p, b) in zip(inputs, packed)]),
+            }
+    return timings
+
+
+def time_head(head) -> dict[str, dict[str, float]]:
+    """The greedy LM head over a batched decode step's rows: ``greedy_head`` on the dense weight,
+    and a ``PackedHead`` built here."""
+    packed = onednn_linear.PackedHead(head)
+    rows = DENSE_ROWS["decode"]
+    with torch.inference_mode():
+        hidden = torch.randn(rows, head.weight.shape[1], dtype=head.weight.dtype)
+        return {"decode": {"linear": median_ms(lambda: greedy_head(hidden, head.weight)),
+                           "packed": median_ms(lambda: packed.greedy(hidden))}}
+
+
+def time_prefill_attention(runner) -> dict[str, dict[str, float]]:
+    """One layer's attention for a step of prefill chunks over cached context, through the
+    in-place kernel's rows and through per-chunk GEMMs, each over distinct pool blocks."""
+    cfg = runner.model.config
+    k_cache, v_cache = runner.kv_caches[0]
+    timings = {}
+    with torch.inference_mode():
+        for bucket, (chunks, cached, new) in PREFILL_CHUNKS.items():
+            out = _scratch_step(chunks, cached, new, runner.block_size, len(k_cache) - 1)
+            q = torch.randn(out.num_tokens, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)
+            rows = runner.step_batch(out, prefill_attention="rows").meta
+            gemm = runner.step_batch(out, prefill_attention="gemm").meta
+            scale = cfg.head_dim**-0.5
+            timings[bucket] = {
+                "rows": median_ms(lambda: paged_attention(q, k_cache, v_cache, rows, scale)),
+                "gemm": median_ms(lambda: paged_attention(q, k_cache, v_cache, gemm, scale)),
+            }
+    return timings
+
+
+def _scratch_step(chunks: int, cached: int, new: int, block_size: int, free_blocks: int) -> SchedulerOutput:
+    """A step of ``chunks`` prompt chunks of ``new`` tokens after ``cached`` ones, each over its
+    own blocks 1, 2, ... of the pool (shrunk to fit ``free_blocks``)."""
+    per_chunk = -(-(cached + new) // block_size)
+    while chunks * per_chunk > free_blocks and (cached > block_size or chunks > 1):
+        chunks, cached = (chunks, cached // 2) if cached > block_size else (chunks - 1, cached)
+        per_chunk = -(-(cached + new) // block_size)
+    prefills = []
+    for c in range(chunks):
+        table = list(range(1 + c * per_chunk, 1 + (c + 1) * per_chunk))
+        prefills.append(ScheduledChunk(f"kernel-timing-{c}", [0] * new, cached, table, sample=True))
+    return SchedulerOutput(prefills=prefills)
+
+
+
+def choose_plan(runner, spec: KernelSpec, measure: bool, cache: ChoiceCache | None) -> KernelPlan:
+    """The plan for ``runner``: ``spec``'s forced operations; with ``measure`` the others timed
+    here (or read from ``cache``, keyed by CPU signature, model shape, dtype and block size, and
+    stored there); without it each takes its first candidate here ("default": the path before
+    choices were measured, which keeps a test's results independent of timings)."""
+    available = candidates(runner)
+    if not measure:
+        unforced = {op: impls[:1] for op, impls in available.items() if op not in spec.forced}
+        plan = plan_kernels({**available, **unforced}, spec.forced, measurer(runner))
+        return KernelPlan(plan.chosen, {op: ("forced" if op in spec.forced else "default") for op in plan.chosen})
+    key = f"{cpu_signature()}|{_model_key(runner)}"
+    plan = plan_kernels(available, spec.forced, measurer(runner), cache.get(key) if cache is not None else None)
+    if cache is not None:
+        cache.put(key, plan)
+    return plan
+
+
+def _model_key(runner) -> str:
+    cfg = runner.model.config
+    return (f"hidden {cfg.hidden_size} intermediate {cfg.intermediate_size} heads {cfg.num_heads}/{cfg.num_kv_heads}"
+            f" head_dim {cfg.head_dim} {str(runner.dtype).removeprefix('torch.')} block {runner.block_size}")

@@ -1,0 +1,127 @@
+"""Choosing each CPU operation's implementation (``shared.engine.kernel_choice``): the
+``[engine] kernels`` spec, the choice from timings (fake ones here: no test depends on this
+machine's speed), forced and cached choices, and the cache file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.engine.engine_config import EngineConfig
+from shared.engine.kernel_choice import (OPERATIONS, ChoiceCache, KernelPlan, KernelSpec, cpu_signature, fastest,
+                                         plan_kernels, resolve_kernels)
+
+
+def test_the_spec_is_a_backend_then_operations_it_forces():
+    assert KernelSpec.parse("auto") == KernelSpec("auto", {})
+    assert KernelSpec.parse("torch, dense=packed") == KernelSpec("torch", {"dense": "packed"})
+    assert KernelSpec.parse("dense=linear,prefill_attention=gemm") == KernelSpec(
+        "auto", {"dense": "linear", "prefill_attention": "gemm"})
+    assert resolve_kernels("dense=packed", "cpu") == "torch"
+    assert resolve_kernels("auto,prefill_attention=rows", "cuda:0") == "triton"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("vulkan", "must start with one of"),
+    ("auto,attention=rows", "expected operation=implementation"),
+    ("auto,dense", "expected operation=implementation"),
+    ("auto,dense=amx", "dense is one of"),
+    ("dense=packed,dense=linear", "names dense twice"),
+    ("triton,dense=packed", "not triton's"),
+])
+def test_a_bad_spec_names_its_problem_in_the_config_and_on_the_command_line(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        KernelSpec.parse(text)
+    with pytest.raises(ValueError, match=problem):
+        EngineConfig(kernels=text)
+
+
+def test_the_fastest_is_the_least_total_over_buckets_and_ties_go_to_the_first_listed():
+    # packed wins the decode bucket, loses the prefill one by more: one choice for all buckets
+    assert fastest("dense", {"decode": {"linear": 10, "packed": 7}, "prefill": {"linear": 90, "packed": 95}}) == "linear"
+    assert fastest("dense", {"decode": {"linear": 10, "packed": 7}, "prefill": {"linear": 90, "packed": 91}}) == "packed"
+    assert fastest("dense", {"b": {"packed": 5.0, "linear": 5.0}}) == "linear"
+    with pytest.raises(ValueError, match="no dense implementation was timed in every"):
+        fastest("dense", {"a": {"linear": 1}, "b": {"packed": 1}})
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.dictionaries(st.sampled_from(["decode", "prefill", "long"]),
+                       st.fixed_dictionaries({c: st.floats(0.01, 1e3) for c in OPERATIONS["prefill_attention"]}),
+                       min_size=1))
+def test_no_candidate_beats_the_chosen_one_in_total(buckets):
+    chosen = fastest("prefill_attention", buckets)
+    total = {c: sum(b[c] for b in buckets.values()) for c in OPERATIONS["prefill_attention"]}
+    assert all(total[chosen] <= t for t in total.values())
+
+
+class FakeTimer:
+    def __init__(self, timings):
+        self.timings, self.calls = timings, []
+
+    def __call__(self, op):
+        self.calls.append(op)
+        return self.timings[op]
+
+
+TIMINGS = {"dense": {"decode": {"linear": 3.0, "packed": 2.0}},
+           "prefill_attention": {"prefill": {"rows": 4.0, "gemm": 9.0}}}
+BOTH = {"dense": ("linear", "packed"), "prefill_attention": ("rows", "gemm")}
+
+
+def test_a_plan_measures_what_is_neither_forced_nor_alone_nor_cached():
+    timer = FakeTimer(TIMINGS)
+    plan = plan_kernels(BOTH, {}, timer)
+    assert plan.chosen == {"dense": "packed", "prefill_attention": "rows"} and timer.calls == ["dense", "prefill_attention"]
+    assert plan.how == {"dense": "measured", "prefill_attention": "measured"}
+    assert plan.describe() == "dense=packed (measured: 2.0 vs 3.0 ms) prefill_attention=rows (measured: 4.0 vs 9.0 ms)"
+
+    timer = FakeTimer(TIMINGS)
+    plan = plan_kernels({"dense": ("linear",), "prefill_attention": ("rows", "gemm")}, {"prefill_attention": "gemm"},
+                        timer)
+    assert plan.chosen == {"dense": "linear", "prefill_attention": "gemm"} and timer.calls == []
+    assert plan.how == {"dense": "only", "prefill_attention": "forced"}
+
+    cached = KernelPlan({"dense": "linear"}, {"dense": "measured"}, {"dense": TIMINGS["dense"]})
+    timer = FakeTimer(TIMINGS)
+    plan = plan_kernels(BOTH, {}, timer, cached)
+    assert plan.chosen["dense"] == "linear" and plan.how["dense"] == "cached" and timer.calls == ["prefill_attention"]
+
+
+def test_forcing_what_this_machine_lacks_is_refused_with_what_it_has():
+    with pytest.raises(ValueError, match=r"dense=packed, which this machine or model lacks.*\['linear'\]"):
+        plan_kernels({"dense": ("linear",)}, {"dense": "packed"}, FakeTimer(TIMINGS))
+
+
+def test_the_cache_keeps_measured_choices_per_key_and_survives_a_bad_file(tmp_path):
+    path = tmp_path / "sub" / "kernel-choice.json"
+    cache = ChoiceCache(path)
+    assert cache.get("cpu|model") is None
+    plan = KernelPlan({"dense": "packed", "prefill_attention": "gemm"}, {"dense": "measured", "prefill_attention": "forced"},
+                      {"dense": TIMINGS["dense"]})
+    cache.put("cpu|model", plan)
+    again = cache.get("cpu|model")
+    assert again.chosen == {"dense": "packed"} and again.how == {"dense": "measured"}  # forced ones are not choices
+    assert again.timings_ms == {"dense": TIMINGS["dense"]}
+    cache.put("cpu|other", KernelPlan({"dense": "linear"}, {"dense": "only"}))  # nothing measured: nothing stored
+    assert set(json.loads(path.read_text())) == {"cpu|model"}
+    path.write_text("{not json")
+    assert cache.get("cpu|model") is None
+    cache.put("cpu|model", plan)  # rewritten whole
+    assert cache.get("cpu|model").chosen == {"dense": "packed"}
+    path.write_text(json.dumps({"cpu|model": {"chosen": 3}}))
+    assert cache.get("cpu|model") is None
+
+
+def test_the_cpu_signature_names_the_model_the_kernel_flags_and_the_torch_build(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                    "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16 amx_int8\n")
+    signature = cpu_signature(info)
+    assert signature.startswith("Intel(R) Xeon(R) Processor|avx2,avx512f,avx512_bf16,amx_bf16,amx_int8|")
+    assert "torch " in signature
+    info.write_text("model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16\n")
+    assert cpu_signature(info) != signature

@@ -1,0 +1,108 @@
+"""The engine on each CPU kernel plan (``shared.engine.kernel_timing``, ``ModelRunner.apply_plan``):
+every combination of implementations computes the plain-torch reference's logits over a step
+with prompt chunks after cached context and decode rows; a timed plan is measured once per CPU
+and model, then read from the cache; forced choices are honoured or refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import onednn_linear
+from kernels.onednn_linear import PackedLinear
+from kernels.paged_decode_cpu import supports as supports_in_place_decode
+from shared.engine.engine import Engine
+from shared.engine.engine_config import EngineConfig
+from shared.engine.kernel_choice import KernelSpec
+from shared.engine.kernel_timing import candidates, choose_plan
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from shared.model.model_config import tiny_config
+from tests.engine.tiny import dense_logits, tiny_model
+
+BS = 16
+IN_PLACE = supports_in_place_decode(tiny_config().head_dim, torch.float32)
+PACKING = ("linear", "packed") if onednn_linear.supported(torch.float32) else ("linear",)
+PLANS = [f"dense={d},head={h},prefill_attention={p}"
+         for d, h, p in itertools.product(PACKING, PACKING, ("rows", "gemm") if IN_PLACE else ("gemm",))]
+
+
+@pytest.mark.parametrize("kernels", PLANS)
+def test_every_plan_computes_the_references_logits(kernels):
+    engine = Engine(tiny_model(seed=5), None, EngineConfig(block_size=BS, num_blocks=64, kernels=kernels))
+    runner, reference = engine.runner, tiny_model(seed=5)
+    a, b = list(range(3, 61)), list(range(7, 50))  # two prompts (a: 58 tokens)
+    table_a, table_b = [1, 2, 3, 4, 5], [6, 7, 8, 9]
+    # step 1: a's first 40 tokens; step 2: a's next 17 (after 40 cached) beside all of b; step 3: decode both
+    steps = [SchedulerOutput(prefills=[ScheduledChunk("a", a[:40], 0, table_a, sample=False)]),
+             SchedulerOutput(prefills=[ScheduledChunk("a", a[40:57], 40, table_a, sample=True),
+                                       ScheduledChunk("b", b, 0, table_b, sample=True)]),
+             SchedulerOutput(decodes=[ScheduledChunk("a", [a[57]], 57, table_a, sample=True),
+                                      ScheduledChunk("b", [9], len(b), table_b, sample=True)])]
+    got = [runner.execute(out).float() for out in steps]
+    want_a, want_b = dense_logits(reference, a[:58]), dense_logits(reference, b + [9])
+    torch.testing.assert_close(got[1], torch.stack([want_a[56], want_b[len(b) - 1]]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[2], torch.stack([want_a[57], want_b[len(b)]]), rtol=1e-4, atol=1e-4)
+    greedy = runner.execute_greedy(steps[2])  # the head's greedy path: the logits' first maxima
+    assert greedy == got[2].argmax(dim=-1).tolist()
+    assert engine.stats().kernel_plan["how"] == {"dense": "forced", "head": "forced", "prefill_attention": "forced"}
+    engine.close()
+
+
+def test_untimed_plans_take_the_first_implementation_so_tests_never_depend_on_speed():
+    engine = Engine(tiny_model(), None, EngineConfig(block_size=BS, num_blocks=64))
+    plan = engine.stats().kernel_plan
+    assert plan["chosen"] == {"dense": "linear", "head": "linear", "prefill_attention": "rows" if IN_PLACE else "gemm"}
+    assert set(plan["how"].values()) == {"default"} and plan["timings_ms"] == {}
+    engine.close()
+
+
+def test_a_timed_plan_is_measured_once_per_cpu_and_model_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETSERVE_CACHE_DIR", str(tmp_path))
+    config = EngineConfig(block_size=BS, num_blocks=64, time_kernels=True)
+    engine = Engine(tiny_model(), None, config)
+    first = engine.stats().kernel_plan
+    available = candidates(engine.runner)
+    for op, impls in available.items():
+        assert first["chosen"][op] in impls
+        assert first["how"][op] == ("measured" if len(impls) > 1 else "only")
+        if len(impls) > 1:
+            assert all(set(bucket) == set(impls) and min(bucket.values()) > 0
+                       for bucket in first["timings_ms"][op].values())
+    engine.close()
+    if not any(len(impls) > 1 for impls in available.values()):
+        pytest.skip("one implementation of every operation here: nothing is measured")
+    assert (tmp_path / "kernel-choice.json").exists()
+    engine = Engine(tiny_model(), None, config)
+    again = engine.stats().kernel_plan
+    assert again["chosen"] == first["chosen"]
+    assert {op: how for op, how in again["how"].items() if how != "only"} == {
+        op: "cached" for op, impls in available.items() if len(impls) > 1}
+    # a plan that packed the model still generates
+    out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4))
+    assert len(out[0].output_token_ids) == 4
+    engine.close()
+
+
+@pytest.mark.skipif(not onednn_linear.supported(torch.float32), reason="this torch build has no oneDNN")
+def test_a_model_packed_by_an_earlier_engine_stays_packed_for_the_next():
+    model = tiny_model()
+    Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, kernels="dense=packed")).close()
+    assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)
+    engine = Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, time_kernels=True))
+    assert candidates(engine.runner)["dense"] == ("packed",)
+    assert engine.stats().kernel_plan["how"]["dense"] == "only"
+    engine.close()
+
+
+def test_forcing_rows_without_the_in_place_kernel_is_refused():
+    engine = Engine(tiny_model(), None, EngineConfig(block_size=BS, num_blocks=64))
+    runner = engine.runner
+    if runner.decode_in_place:
+        runner._table_rows = None  # as on a machine where the kernel does not build
+        runner.decode_in_place = False
+    with pytest.raises(ValueError, match="prefill_attention=rows, which this machine or model lacks"):
+        choose_plan(runner, KernelSpec.parse("prefill_attention=rows"), measure=False, cache=None)
+    engine.close()
