@@ -42,6 +42,9 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # the LM head: torch's linear over vocabulary slices, or the slices packed once (extra memory:
     # the head's size again; kernels.onednn_linear.PackedHead)
     "head": ("linear", "packed"),
+    # decode rows' attention: the C++ in-place paged kernel (kernels.paged_decode_cpu, vector
+    # code), or the cascade of batched GEMMs over gathered blocks (kernels.attention)
+    "decode_attention": ("rows", "cascade"),
     # prefill chunks' attention over their cached context: rows of the C++ in-place paged kernel
     # (kernels.paged_decode_cpu, vector code), or per-chunk GEMMs on the library's matmul (AMX
     # where the CPU has it) around the C++ softmax (kernels.attention.gemm_attention)
@@ -200,13 +203,17 @@ class ChoiceCache:
             return None
 
     def put(self, key: str, plan: KernelPlan) -> None:
-        """Store ``plan``'s measured operations (forced and only ones are not choices)."""
+        """Store ``plan``'s measured operations (forced and only ones are not choices) under
+        ``key``, beside the operations stored there before."""
         measured = [op for op, how in plan.how.items() if how in ("measured", "cached")]
         if not measured:
             return
         entries = self._entries()
-        entries[key] = {"chosen": {op: plan.chosen[op] for op in measured}, "how": {op: "measured" for op in measured},
-                        "timings_ms": {op: plan.timings_ms[op] for op in measured if op in plan.timings_ms}}
+        old = self.get(key) or KernelPlan({}, {})
+        entries[key] = {"chosen": {**old.chosen, **{op: plan.chosen[op] for op in measured}},
+                        "how": {**old.how, **{op: "measured" for op in measured}},
+                        "timings_ms": {**old.timings_ms, **{op: plan.timings_ms[op] for op in measured
+                                                            if op in plan.timings_ms}}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             temp = self.path.with_suffix(f".{os.getpid()}.tmp")

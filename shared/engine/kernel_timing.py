@@ -24,9 +24,6 @@ from shared.engine.kernel_choice import ChoiceCache, KernelPlan, KernelSpec, cpu
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 DENSE_ROWS = {"decode": 32, "prefill": 512}  # bucket -> token rows of a layer's projections
-# bucket -> (chunks, cached tokens before each, new tokens in each): the prefill steps of a fleet
-# trace (a few hundred new tokens after a system prompt and scene the radix cache holds)
-PREFILL_CHUNKS = {"prefill": (4, 384, 128)}
 REPEATS = 5
 
 
@@ -43,8 +40,9 @@ def candidates(runner) -> dict[str, tuple[str, ...]]:
         dense = ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",)
     head = ("packed",) if isinstance(model.lm_head, onednn_linear.PackedHead) else (
         ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",))
-    prefill = ("rows", "gemm") if runner.decode_in_place else ("gemm",)
-    return {"dense": dense, "head": head, "prefill_attention": prefill}
+    kernel = runner.decode_in_place  # the in-place C++ kernel builds here
+    return {"dense": dense, "head": head, "decode_attention": ("rows", "cascade") if kernel else ("cascade",),
+            "prefill_attention": ("rows", "gemm") if kernel else ("gemm",)}
 
 
 def measurer(runner) -> Callable[[str], dict[str, dict[str, float]]]:
@@ -54,8 +52,8 @@ def measurer(runner) -> Callable[[str], dict[str, dict[str, float]]]:
             return time_dense(runner.model.layers[0])
         if op == "head":
             return time_head(runner.model.lm_head)
-        if op == "prefill_attention":
-            return time_prefill_attention(runner)
+        if op in ATTENTION_STEPS:
+            return time_attention(runner, op)
         raise ValueError(f"no timing for operation {op!r}")
     return measure
 
@@ -100,29 +98,26 @@ def time_head(head) -> dict[str, dict[str, float]]:
                            "packed": median_ms(lambda: packed.greedy(hidden))}}
 
 
-def time_prefill_attention(runner) -> dict[str, dict[str, float]]:
-    """One layer's attention for a step of prefill chunks over cached context, through the
-    in-place kernel's rows and through per-chunk GEMMs, each over distinct pool blocks."""
+def time_attention(runner, op: str) -> dict[str, dict[str, float]]:
+    """One layer's attention for ``op``'s step (``ATTENTION_STEPS``) through each of its
+    implementations, over distinct blocks of the layer's pool (read, never written)."""
     cfg = runner.model.config
     k_cache, v_cache = runner.kv_caches[0]
+    out = ATTENTION_STEPS[op](runner.block_size, len(k_cache) - 1)
+    q = torch.randn(out.num_tokens, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)
+    scale = cfg.head_dim**-0.5
     timings = {}
     with torch.inference_mode():
-        for bucket, (chunks, cached, new) in PREFILL_CHUNKS.items():
-            out = _scratch_step(chunks, cached, new, runner.block_size, len(k_cache) - 1)
-            q = torch.randn(out.num_tokens, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)
-            rows = runner.step_batch(out, prefill_attention="rows").meta
-            gemm = runner.step_batch(out, prefill_attention="gemm").meta
-            scale = cfg.head_dim**-0.5
-            timings[bucket] = {
-                "rows": median_ms(lambda: paged_attention(q, k_cache, v_cache, rows, scale)),
-                "gemm": median_ms(lambda: paged_attention(q, k_cache, v_cache, gemm, scale)),
-            }
-    return timings
+        for impl in candidates(runner)[op]:
+            meta = runner.step_batch(out, **{op: impl}).meta
+            timings[impl] = median_ms(lambda: paged_attention(q, k_cache, v_cache, meta, scale))
+    return {op.removesuffix("_attention"): timings}
 
 
-def _scratch_step(chunks: int, cached: int, new: int, block_size: int, free_blocks: int) -> SchedulerOutput:
-    """A step of ``chunks`` prompt chunks of ``new`` tokens after ``cached`` ones, each over its
-    own blocks 1, 2, ... of the pool (shrunk to fit ``free_blocks``)."""
+def prefill_step(block_size: int, free_blocks: int, chunks: int = 4, cached: int = 384, new: int = 128) -> SchedulerOutput:
+    """A fleet trace's prefill step: ``chunks`` prompt chunks of ``new`` tokens after ``cached``
+    ones (a system prompt and scene the radix cache holds), each over its own blocks 1, 2, ...
+    of the pool (fewer or shorter where ``free_blocks`` are fewer)."""
     per_chunk = -(-(cached + new) // block_size)
     while chunks * per_chunk > free_blocks and (cached > block_size or chunks > 1):
         chunks, cached = (chunks, cached // 2) if cached > block_size else (chunks - 1, cached)
@@ -133,6 +128,27 @@ def _scratch_step(chunks: int, cached: int, new: int, block_size: int, free_bloc
         prefills.append(ScheduledChunk(f"kernel-timing-{c}", [0] * new, cached, table, sample=True))
     return SchedulerOutput(prefills=prefills)
 
+
+def decode_step(block_size: int, free_blocks: int, rows: int = 64, prompts: int = 4, shared: int = 384,
+                own: int = 64) -> SchedulerOutput:
+    """A fleet trace's batched decode step: ``rows`` decode rows, each of ``prompts`` system
+    prompts of ``shared`` tokens shared by a group of them, then ``own`` tokens of the row's
+    own (fewer rows where ``free_blocks`` are fewer)."""
+    shared_blocks, own_blocks = shared // block_size, -(-own // block_size)
+    while prompts * shared_blocks + rows * own_blocks > free_blocks and rows > 1:
+        rows, prompts = rows // 2, max(1, prompts // 2)
+    prompt_tables = [list(range(1 + p * shared_blocks, 1 + (p + 1) * shared_blocks)) for p in range(prompts)]
+    next_block = 1 + prompts * shared_blocks
+    decodes = []
+    for r in range(rows):
+        table = prompt_tables[r % prompts] + list(range(next_block, next_block + own_blocks))
+        next_block += own_blocks
+        decodes.append(ScheduledChunk(f"kernel-timing-{r}", [0], shared_blocks * block_size + own - 1, table, sample=True))
+    return SchedulerOutput(decodes=decodes)
+
+
+# attention operation -> its step's shape (block size, free blocks -> the step)
+ATTENTION_STEPS = {"prefill_attention": prefill_step, "decode_attention": decode_step}
 
 
 def choose_plan(runner, spec: KernelSpec, measure: bool, cache: ChoiceCache | None) -> KernelPlan:

@@ -106,8 +106,10 @@ class ModelRunner:
             model.layer_functions = TRITON_LAYERS
         elif kernels != "torch":
             raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
-        # how prompt chunks attend (apply_plan): rows of the in-place kernel, or GEMM segments
+        # how prompt chunks and decode rows attend (apply_plan): rows of the in-place kernel, or
+        # GEMM segments and the cascade
         self.prefill_attention = "rows" if self.decode_in_place else "gemm"
+        self.decode_attention = "rows" if self.decode_in_place else "cascade"
         self.kernel_plan = KernelPlan({}, {})  # what apply_plan chose (empty: the defaults above)
         self._flops = _FlopCounter(model)
         self._decode_programs = launch_programs(self.device)  # the Triton decode launch's target
@@ -229,38 +231,44 @@ class ModelRunner:
             step.sample_rows += range(end - c.num_logits, end)
         return step
 
-    def step_batch(self, out: SchedulerOutput, prefill_attention: str | None = None) -> StepBatch:
-        """The step's tensors and attention metadata for ``prefill_attention`` (default: this
-        runner's, ``apply_plan``): with "rows" every token is a row of the in-place kernel
-        (``_rows_batch``); with "gemm" a step that has prompt chunks runs them as segments of
-        GEMM attention beside its decode rows in the kernel (``_segments_batch``), and a step
-        without any is all rows."""
-        choice = prefill_attention or self.prefill_attention
-        if self._table_rows is not None and (choice == "rows" or not any(not _as_decode_rows(c) for c in out.prefills)):
+    def step_batch(self, out: SchedulerOutput, prefill_attention: str | None = None,
+                   decode_attention: str | None = None) -> StepBatch:
+        """The step's tensors and attention metadata for its attention implementations (default:
+        this runner's, ``apply_plan``). A step's prompt chunks follow ``prefill_attention``:
+        "rows" makes every token of the step, decode rows included, a row of the in-place kernel
+        (``_rows_batch``); "gemm" runs them as GEMM segments (``_segments_batch``). Its decode
+        rows follow ``decode_attention``: "rows" in the in-place kernel, "cascade" as batched
+        GEMMs over gathered blocks."""
+        prefill = prefill_attention or self.prefill_attention
+        decode = decode_attention or self.decode_attention
+        chunks = any(not _as_decode_rows(c) for c in out.prefills)
+        if self._table_rows is not None and (prefill == "rows" if chunks else decode == "rows"):
             return self._rows_batch(out)
-        return self._segments_batch(self._prepare(out))
+        return self._segments_batch(self._prepare(out), in_place_decodes=decode == "rows")
 
     def apply_plan(self, plan: KernelPlan) -> None:
         """Run the implementations ``plan`` chose (``shared.engine.kernel_choice``): packed
         projections (the model's dense weights replaced, ``kernels.onednn_linear``; before
-        ``LlamaModel.compile_layers``), a packed LM head, and how prompt chunks attend."""
+        ``LlamaModel.compile_layers``), a packed LM head, and how prompt chunks and decode rows
+        attend."""
         if plan.chosen.get("dense") == "packed":
             pack_layer_linears(self.model)
             self.model.use_layer_functions(PACKED_LAYERS)
         if plan.chosen.get("head") == "packed":
             pack_head(self.model)
         prefill = plan.chosen.get("prefill_attention", self.prefill_attention)
-        if prefill == "rows" and self._table_rows is None:
-            raise ValueError("prefill_attention 'rows' needs the in-place CPU kernel, which this runner lacks")
-        self.prefill_attention = prefill
+        decode = plan.chosen.get("decode_attention", self.decode_attention)
+        if "rows" in (prefill, decode) and self._table_rows is None:
+            raise ValueError("attention 'rows' needs the in-place CPU kernel, which this runner lacks")
+        self.prefill_attention, self.decode_attention = prefill, decode
         self.kernel_plan = plan
 
-    def _segments_batch(self, inputs: StepInputs) -> StepBatch:
+    def _segments_batch(self, inputs: StepInputs, in_place_decodes: bool = False) -> StepBatch:
         """``_prepare``'s plain ints as tensors and metadata (``_metadata``): the prefills as
-        segments, the decode rows in place where the kernel runs (else as the cascade)."""
+        segments, the decode rows in the in-place kernel or (default) as the cascade."""
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
         meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots,
-                              in_place_decodes=self.decode_in_place)
+                              in_place_decodes=in_place_decodes)
         return StepBatch(as_tensor(inputs.input_ids), as_tensor(inputs.positions), as_tensor(inputs.sample_rows),
                          meta)
 

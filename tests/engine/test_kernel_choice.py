@@ -108,6 +108,9 @@ def test_the_cache_keeps_measured_choices_per_key_and_survives_a_bad_file(tmp_pa
     assert again.timings_ms == {"dense": TIMINGS["dense"]}
     cache.put("cpu|other", KernelPlan({"dense": "linear"}, {"dense": "only"}))  # nothing measured: nothing stored
     assert set(json.loads(path.read_text())) == {"cpu|model"}
+    # a later plan that measured another operation adds it; one where dense had one candidate keeps dense
+    cache.put("cpu|model", KernelPlan({"dense": "packed", "head": "linear"}, {"dense": "only", "head": "measured"}))
+    assert cache.get("cpu|model").chosen == {"dense": "packed", "head": "linear"}
     path.write_text("{not json")
     assert cache.get("cpu|model") is None
     cache.put("cpu|model", plan)  # rewritten whole

@@ -25,8 +25,9 @@ from tests.engine.tiny import dense_logits, tiny_model
 BS = 16
 IN_PLACE = supports_in_place_decode(tiny_config().head_dim, torch.float32)
 PACKING = ("linear", "packed") if onednn_linear.supported(torch.float32) else ("linear",)
-PLANS = [f"dense={d},head={h},prefill_attention={p}"
-         for d, h, p in itertools.product(PACKING, PACKING, ("rows", "gemm") if IN_PLACE else ("gemm",))]
+PLANS = [f"dense={d},head={h},decode_attention={a},prefill_attention={p}"
+         for d, h, a, p in itertools.product(PACKING, PACKING, ("rows", "cascade") if IN_PLACE else ("cascade",),
+                                             ("rows", "gemm") if IN_PLACE else ("gemm",))]
 
 
 @pytest.mark.parametrize("kernels", PLANS)
@@ -47,14 +48,15 @@ def test_every_plan_computes_the_references_logits(kernels):
     torch.testing.assert_close(got[2], torch.stack([want_a[57], want_b[len(b)]]), rtol=1e-4, atol=1e-4)
     greedy = runner.execute_greedy(steps[2])  # the head's greedy path: the logits' first maxima
     assert greedy == got[2].argmax(dim=-1).tolist()
-    assert engine.stats().kernel_plan["how"] == {"dense": "forced", "head": "forced", "prefill_attention": "forced"}
+    assert set(engine.stats().kernel_plan["how"].values()) == {"forced"}
     engine.close()
 
 
 def test_untimed_plans_take_the_first_implementation_so_tests_never_depend_on_speed():
     engine = Engine(tiny_model(), None, EngineConfig(block_size=BS, num_blocks=64))
     plan = engine.stats().kernel_plan
-    assert plan["chosen"] == {"dense": "linear", "head": "linear", "prefill_attention": "rows" if IN_PLACE else "gemm"}
+    assert plan["chosen"] == {"dense": "linear", "head": "linear", "decode_attention": "rows" if IN_PLACE else "cascade",
+                              "prefill_attention": "rows" if IN_PLACE else "gemm"}
     assert set(plan["how"].values()) == {"default"} and plan["timings_ms"] == {}
     engine.close()
 
