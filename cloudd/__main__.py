@@ -55,6 +55,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): Triton on CUDA, torch (with the C++ CPU kernels) on a CPU, each CPU "
                         "operation's implementation timed at start-up; then operation=implementation items "
                         "force one: 'auto,dense=packed,prefill_attention=gemm'")
+    p.add_argument("--time-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a CPU, time each operation's implementations on the model at start-up and keep the "
+                        "fastest, cached per CPU and model (default: the config's [engine] time_kernels, else on "
+                        "for serve and bench); off: each takes its first implementation unless --kernels forces one")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-only steps replay CUDA graphs (default on; Triton kernels on CUDA only)")
     p.add_argument("--kv-layout", choices=list(LAYOUTS),
@@ -94,6 +98,7 @@ def _engine_config(args, offline: bool = False, compile_by_default: bool = True)
         base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
     engine = {"dtype": args.dtype, "compile": args.compile, "block_size": args.block_size,
               "num_blocks": args.num_blocks, "device": args.device, "kernels": args.kernels,
+              "time_kernels": args.time_kernels,
               "cuda_graphs": args.cuda_graphs, "kv_layout": args.kv_layout}
     scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
     return dataclasses.replace(
@@ -324,8 +329,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "cuda_graphs", "kv_layout", "block_size",
-               "num_blocks", "max_num_seqs", "max_batched_tokens")
+ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "time_kernels", "cuda_graphs", "kv_layout",
+               "block_size", "num_blocks", "max_num_seqs", "max_batched_tokens")
 
 
 def _replica_args(args) -> dict:

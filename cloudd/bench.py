@@ -37,6 +37,7 @@ from cloudd.trace import TraceRequest, load_trace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.response_format import fleet_plan_format
+from shared.engine.kernel_choice import cpu_signature, operation_shares
 from shared.engine.kv.hicache_config import HiCacheConfig
 from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
@@ -160,7 +161,10 @@ def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -
                     # NOTE: measured again after each run, the best kept: one measurement at start
                     # on a noisy machine read 91 GFLOP/s where the same machine gave 142-178
                     peak = max(peak, _matmul_peak(opts, log))
-                    runs[name]["profile"] = profile.report(peak)
+                    runs[name]["profile"] = report = profile.report(peak)
+                    report["cpu"] = cpu_signature()
+                    if stats.kernel_plan:
+                        report["operations"] = operation_shares(stats.kernel_plan["chosen"], report["share"])
                     log(format_profile(runs[name]["profile"]))
                 del engine
     runs = {name: runs[name] for name in (_variant_name(i, f, t, opts) for i in opts.indexes

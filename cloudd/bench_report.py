@@ -112,4 +112,9 @@ def format_profile(profile: dict) -> str:
              f"   host {profile['host_ms_per_step']:.1f} ms/step   model {profile['achieved_gflop_s']:.0f} GFLOP/s"]
     if "peak_frac" in profile:
         lines[-1] += f" = {profile['peak_frac']:.0%} of the {profile['peak_gflop_s']:.0f} GFLOP/s matmul peak"
+    if "cpu" in profile:
+        lines.append(f"   cpu {profile['cpu']}")
+    if profile.get("operations"):
+        lines.append("   operations: " + "  ".join(f"{op}={o['implementation']} ({o['phase']} {o['share']:.0%})"
+                                                   for op, o in profile["operations"].items()))
     return "\n".join(lines)

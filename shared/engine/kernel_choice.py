@@ -52,6 +52,19 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# operation -> the step-profile phase its time counts in (shared.engine.step_profile)
+OPERATION_PHASES = {"dense": "model", "head": "logits", "decode_attention": "attention",
+                    "prefill_attention": "attention"}
+
+
+def operation_shares(chosen: Mapping[str, str], phase_share: Mapping[str, float]) -> dict[str, dict]:
+    """Each chosen operation with the share of the step its phase took (the two attention
+    operations share one phase): ``{"dense": {"implementation": "packed", "phase": "model",
+    "share": 0.72}, ...}``."""
+    return {op: {"implementation": impl, "phase": OPERATION_PHASES[op], "share": phase_share.get(OPERATION_PHASES[op], 0.0)}
+            for op, impl in chosen.items()}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """``[engine] kernels`` parsed: a backend and the operations it forces."""
