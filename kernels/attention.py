@@ -45,7 +45,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
 from kernels.kv_layout import gather, kv_heads_of, write_kv
-from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel
+from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel, paged_decode_tiles_kernel
 from kernels.softmax_lse_cpu import SoftmaxLse, softmax_lse_kernel
 
 from shared.model.llama import rotated
@@ -97,13 +97,13 @@ def paged_attention(
     if meta.kernel_rows is not None:  # the device's kernel reads rows' blocks in place
         rows = meta.kernel_rows
         if not meta.prefills:  # every row
-            return _in_place_kernel()(q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale, False,
-                                      rows.order)[0]
+            return _in_place_kernel(rows.tiles)(q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale,
+                                                False, rows.order)[0]
     out = torch.empty_like(q)
     if meta.kernel_rows is not None:  # the decode rows; the prefills below
         n = len(rows.context_lens)
-        out[:n] = _in_place_kernel()(q[:n], k_cache, v_cache, rows.block_tables, rows.context_lens, scale, False,
-                                     rows.order)[0]
+        out[:n] = _in_place_kernel(rows.tiles)(q[:n], k_cache, v_cache, rows.block_tables, rows.context_lens, scale,
+                                               False, rows.order)[0]
     elif meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
@@ -202,8 +202,8 @@ def _decode_attention(
     return (weights * parts_out[:, :-1]).sum(dim=1).reshape(nd, heads, dim)
 
 
-def _in_place_kernel() -> PagedDecode:
-    kernel = paged_decode_kernel()
+def _in_place_kernel(tiles: bool = False) -> PagedDecode:
+    kernel = paged_decode_tiles_kernel() if tiles else paged_decode_kernel()
     assert kernel is not None, "in-place decode metadata is only built where the kernel is available"
     return kernel
 

@@ -105,6 +105,7 @@ class KernelRows:
     # Rows sorted by block table, the order the kernel runs them in: rows that share blocks (a
     # system prompt, a robot's scene, a prompt's own tokens) run next to each other.
     order: torch.Tensor  # [num_tokens] int64, a permutation
+    tiles: bool = False  # run them on the AMX tiles (kernels.paged_decode_cpu.paged_decode_tiles_kernel)
 
     @staticmethod
     def build(
@@ -113,6 +114,7 @@ class KernelRows:
         prefills: list[tuple[list[int], int, int]],
         null_block: int,
         device: torch.device | str,
+        tiles: bool = False,
     ) -> "KernelRows":
         """From ``AttentionMetadata.build``'s inputs: one run of rows per decode row (one row) and
         per prefill segment (``num_new`` rows sharing its table), expanded with numpy."""
@@ -120,11 +122,11 @@ class KernelRows:
         firsts = np.array([n - 1 for n in decode_context_lens] + [cached for _, cached, _ in prefills], dtype=np.int64)
         counts = np.array([1] * len(decode_block_tables) + [new for _, _, new in prefills], dtype=np.int64)
         run_of_row, positions = expand_runs(firsts, counts)
-        return KernelRows.from_runs(tables, run_of_row, positions + 1, device)
+        return KernelRows.from_runs(tables, run_of_row, positions + 1, device, tiles)
 
     @staticmethod
     def from_runs(run_tables: np.ndarray, run_of_row: np.ndarray, context_lens: np.ndarray,
-                  device: torch.device | str) -> "KernelRows":
+                  device: torch.device | str, tiles: bool = False) -> "KernelRows":
         """Rows from their runs: ``run_tables`` [runs, W] int64 (each run's block table, padded
         with the null block, or with blocks past every row's context), ``run_of_row`` [rows]
         the run of each row (a run's rows consecutive, in position order), ``context_lens``
@@ -137,6 +139,7 @@ class KernelRows:
             block_tables=torch.from_numpy(run_tables[run_of_row]).to(device),
             context_lens=torch.from_numpy(context_lens).to(device),
             order=torch.from_numpy(order).to(device),
+            tiles=tiles,
         )
 
 
@@ -189,6 +192,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         in_place: bool = False,
         in_place_decodes: bool = False,
+        tiles: bool = False,
     ) -> "AttentionMetadata":
         """Build metadata from plain ints.
 
@@ -205,18 +209,20 @@ class AttentionMetadata:
                 kernel (``kernel_rows``) instead of cascade batches and prefill segments.
             in_place_decodes: the decode rows for an in-place kernel (``kernel_rows``: the
                 first rows) and the prefills as segments (GEMM attention), no cascade.
+            tiles: the in-place kernel's rows run on the AMX tiles (``KernelRows.tiles``).
         """
         if in_place:
             return AttentionMetadata.for_kernel_rows(
                 torch.tensor(slot_mapping, dtype=torch.int64, device=device), len(decode_block_tables),
-                KernelRows.build(decode_block_tables, decode_context_lens, prefills, null_block, device), workspace)
+                KernelRows.build(decode_block_tables, decode_context_lens, prefills, null_block, device, tiles),
+                workspace)
         if in_place_decodes:
             return AttentionMetadata(
                 slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
                 num_decodes=len(decode_block_tables), decode_batches=(), num_decode_parts=1,
                 decode_gather_buffer=workspace.take(0),
                 prefills=tuple(_prefill_segments(prefills, len(decode_block_tables), query_group, device)),
-                kernel_rows=KernelRows.build(decode_block_tables, decode_context_lens, [], null_block, device)
+                kernel_rows=KernelRows.build(decode_block_tables, decode_context_lens, [], null_block, device, tiles)
                 if decode_block_tables else None)
         problems, num_parts = decode_problems(decode_block_tables, decode_context_lens, block_size, min_saved_tokens)
         batches = tuple(

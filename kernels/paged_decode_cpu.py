@@ -38,3 +38,16 @@ def supports_paired(head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
     module = cpu_kernels()
     return (module is not None and module.paired_kv_layout_built() and dtype == torch.bfloat16
             and block_size % 16 == 0 and block_size <= 64 and head_dim % 32 == 0 and head_dim <= 128)
+
+
+def paged_decode_tiles_kernel() -> PagedDecode | None:
+    """The kernel on the AMX tiles (the paired layout only; same arguments and results), or None
+    where this build or CPU has no tiles (or the OS did not grant them)."""
+    module = cpu_kernels()
+    return module.paged_decode_tiles if module is not None and module.amx_tiles_usable() else None
+
+
+def supports_tiles(head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether the kernel runs on the AMX tiles here: the paired layout (``supports_paired``) on
+    a CPU with AMX, whose tile state the OS granted."""
+    return supports_paired(head_dim, dtype, block_size) and paged_decode_tiles_kernel() is not None

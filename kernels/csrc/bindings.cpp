@@ -6,6 +6,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV pools read in place (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
+  m.def("paged_decode_tiles", &paged_decode_tiles, "paged_decode over the paired layout on the AMX tiles (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("with_lse"), py::arg("row_order") = py::none());
+  m.def("amx_tiles_usable", &amx_tiles_usable, "whether paged_decode_tiles runs here (AMX built and granted)");
   m.def("paired_kv_layout_built", &paired_kv_layout_built,
         "whether paged_decode reads the paired KV layout here (bf16 on a CPU with AVX-512 BF16)");
   m.def("paired_write_kv", &paired_write_kv, "the new tokens' K/V stored at their slots of paired-layout pools (CPU)",

@@ -13,6 +13,13 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
                                                      std::optional<torch::Tensor> row_order);
 // Whether this build reads the paired KV layout (bf16 on a CPU with AVX-512 BF16).
 bool paired_kv_layout_built();
+// paged_decode over the paired layout on the AMX tiles (a Xeon from Sapphire Rapids on);
+// amx_tiles_usable() says whether this build and process have them.
+std::tuple<torch::Tensor, torch::Tensor> paged_decode_tiles(torch::Tensor q, torch::Tensor k_cache,
+                                                           torch::Tensor v_cache, torch::Tensor block_tables,
+                                                           torch::Tensor context_lens, double scale, bool with_lse,
+                                                           std::optional<torch::Tensor> row_order);
+bool amx_tiles_usable();
 
 // The paired KV layout's writes at slots and gathers of blocks into the tokens layout
 // ([blocks * block_size, kv_heads, D]) (kv_layout_cpu.cpp).

@@ -26,6 +26,8 @@
 #include "cpu_math.h"
 
 #include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -345,6 +347,146 @@ struct Bf16DecodeTask {
 
 #endif  // __AVX512BF16__
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The paired layout's task on the AMX tiles (Intel Xeon from Sapphire Rapids on), where the
+// matrix unit does in one instruction what the bf16 task does in 16 dot products. The paired
+// layout's slabs are the tiles' operands as they lie: K's dimension pairs by key are q . k's B
+// (pair rows x keys x 2), V's key pairs by dimension are p . v's B (key pair rows x dims x 2).
+// Per 16-key tile, for all 16 query rows of the task at once (rows past the task's heads are
+// zeros, computed and never read):
+//   q . k   scores [16 heads x 16 keys] = Q [16 x 32 dims] . K pairs, DIM / 32 products;
+//   softmax each head's 16 scores as one vector, as the bf16 task does;
+//   p . v   [16 heads x 16 dims] = P [16 x 16 keys, bf16] . V pairs per 16 dimensions, then each
+//           head's accumulator scaled by its correction plus that product.
+// The products are the bf16 task's (exact bf16 products summed in float32, the probabilities
+// rounded to bf16 first), summed in the unit's order: equal up to float32 rounding.
+// Linux hands a process the tiles' state only when asked (arch_prctl); amx_tiles_ready() asks once.
+bool amx_tiles_ready() {
+  static const bool ready = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <int64_t DIM>
+struct AmxDecodeTask {
+  static_assert(DIM % 32 == 0, "the tiles take 32 dimensions of q . k at a time");
+  static constexpr bool kPaired = true;
+  static constexpr int64_t kTile = 16;
+  // tile registers (the intrinsics take them as literals): 0 queries, 1 keys, 2 scores,
+  // 3 probabilities, 4 values, 5 p . v
+  alignas(64) at::BFloat16 queries[kMaxHeads * DIM];  // row per head, zeros past the task's heads
+  alignas(64) float scores[kMaxHeads * kTile];
+  alignas(64) at::BFloat16 probs[kMaxHeads * kTile];  // rounded to bf16, as the bf16 task rounds them
+  alignas(64) float pv[kMaxHeads * DIM];
+  alignas(64) float acc[kMaxHeads * DIM];
+  alignas(64) at::BFloat16 tail[kTile * DIM];  // a partial tile's values, masked (masked_values)
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  float scale_ = 1.f;
+
+  // The tiles' shapes, set in the thread that runs the task (each thread has its own tiles).
+  AmxDecodeTask() {
+    TileConfig config;
+    auto shape = [&](int tile, int rows, int bytes) {
+      config.rows[tile] = static_cast<uint8_t>(rows);
+      config.colsb[tile] = static_cast<uint16_t>(bytes);
+    };
+    shape(0, 16, 64);       // 16 heads x 32 dims
+    shape(1, 16, 64);       // 16 dimension pairs x 16 keys x 2
+    shape(2, 16, 64);       // 16 heads x 16 keys, float32
+    shape(3, 16, 32);       // 16 heads x 16 keys
+    shape(4, 8, 64);        // 8 key pairs x 16 dims x 2
+    shape(5, 16, 64);       // 16 heads x 16 dims, float32
+    _tile_loadconfig(&config);
+  }
+  ~AmxDecodeTask() { _tile_release(); }
+
+  void begin(const at::BFloat16* const* q, int64_t heads, float scale) {
+    for (int64_t g = 0; g < kMaxHeads; ++g) {
+      if (g < heads) std::memcpy(queries + g * DIM, q[g], DIM * sizeof(at::BFloat16));
+      else std::memset(queries + g * DIM, 0, DIM * sizeof(at::BFloat16));
+    }
+    scale_ = scale;
+    std::fill(acc, acc + heads * DIM, 0.f);
+    std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
+    std::fill(run_sum, run_sum + heads, 0.f);
+  }
+
+  // Heads [h0, h1) over one block's first `count` keys, kTile keys at a time.
+  void block(BlockRef<at::BFloat16> b, int64_t count, int64_t h0, int64_t h1) {
+    for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+      const int64_t tile = std::min(kTile, count - t0);
+      _tile_zero(2);
+      for (int64_t c = 0; c < DIM / 32; ++c) {
+        _tile_loadd(0, queries + c * 32, DIM * sizeof(at::BFloat16));
+        _tile_loadd(1, b.k + (c * 16 * b.stride + t0) * 2, b.stride * 2 * sizeof(at::BFloat16));
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, scores, kTile * sizeof(float));
+      float correction[kMaxHeads];
+      const __mmask16 valid = static_cast<__mmask16>((1u << tile) - 1);
+      for (int64_t g = h0; g < h1; ++g) {
+        const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                            _mm512_load_ps(scores + g * kTile), _mm512_set1_ps(scale_));
+        const MaxUpdate m = update_max(run_max[g], _mm512_cmp_ps_mask(s, _mm512_set1_ps(run_max[g]), _CMP_GT_OQ) != 0,
+                                       [&] { return _mm512_reduce_max_ps(s); });
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m.max))));
+        const __m256i e16 = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(probs + g * kTile), e16);
+        run_sum[g] = run_sum[g] * m.correction + _mm512_reduce_add_ps(e);
+        correction[g] = m.correction;
+        run_max[g] = m.max;
+      }
+      _tile_loadd(3, probs, kTile * sizeof(at::BFloat16));
+      // a partial tile's slots past `tile` may hold anything (NaN in a never-written slab): the
+      // unit would add 0 x NaN, so their values are zeros in a copy
+      const at::BFloat16* values = tile == kTile ? b.v + t0 / 2 * DIM * 2 : masked_values(b.v + t0 / 2 * DIM * 2, tile);
+      for (int64_t d = 0; d < DIM / 16; ++d) {
+        _tile_zero(5);
+        _tile_loadd(4, values + d * 16 * 2, DIM * 2 * sizeof(at::BFloat16));
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, pv + d * 16, DIM * sizeof(float));
+      }
+      for (int64_t g = h0; g < h1; ++g) {
+        const __m512 corr = _mm512_set1_ps(correction[g]);
+        for (int64_t j = 0; j < DIM; j += 16)
+          _mm512_store_ps(acc + g * DIM + j,
+                          _mm512_fmadd_ps(_mm512_load_ps(acc + g * DIM + j), corr, _mm512_load_ps(pv + g * DIM + j)));
+      }
+    }
+  }
+
+  // The tile's key pairs (8 rows of DIM x 2) with the values of keys `tile` and later zeroed.
+  const at::BFloat16* masked_values(const at::BFloat16* pairs, int64_t tile) {
+    for (int64_t r = 0; r < kTile / 2; ++r) {
+      const __mmask32 keep = 2 * r + 1 < tile ? 0xFFFFFFFFu : 2 * r < tile ? 0x55555555u : 0u;
+      for (int64_t j = 0; j < DIM * 2; j += 32)
+        _mm512_store_si512(tail + r * DIM * 2 + j, _mm512_maskz_loadu_epi16(keep, pairs + r * DIM * 2 + j));
+    }
+    return tail;
+  }
+
+  void write(int64_t g, at::BFloat16* __restrict__ out, float* lse) const {
+    const float inv = 1.f / run_sum[g];
+    for (int64_t j = 0; j < DIM; ++j) out[j] = static_cast<at::BFloat16>(acc[g * DIM + j] * inv);
+    if (lse != nullptr) *lse = run_max[g] + std::log(run_sum[g]);
+  }
+};
+constexpr bool kAmxTilesBuilt = true;
+#else
+bool amx_tiles_ready() { return false; }
+constexpr bool kAmxTilesBuilt = false;
+#endif  // AMX
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The float32 task on CPUs with AVX2 and FMA, a tile of 16 keys (two vectors of scores) at a time:
 //   q . k   one vector of partial sums per key, 8 keys reduced together into one vector of 8
@@ -632,10 +774,14 @@ PoolShape pool_shape(const torch::Tensor& k_cache, const torch::Tensor& v_cache)
 
 bool paired_kv_layout_built() { return kPairedLayoutBuilt; }
 
-std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                                     double scale, bool with_lse,
-                                                     std::optional<torch::Tensor> row_order) {
+bool amx_tiles_usable() { return kAmxTilesBuilt && amx_tiles_ready(); }
+
+namespace {
+
+std::tuple<torch::Tensor, torch::Tensor> paged_decode_with(bool tiles, torch::Tensor q, torch::Tensor k_cache,
+                                                          torch::Tensor v_cache, torch::Tensor block_tables,
+                                                          torch::Tensor context_lens, double scale, bool with_lse,
+                                                          std::optional<torch::Tensor> row_order) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3, "paged_decode: q must be [rows, heads, head_dim]");
   const PoolShape pool = pool_shape(k_cache, v_cache);
@@ -694,6 +840,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   }
 #if defined(__AVX512BF16__)
   auto paired = [&](auto dim_constant) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) {
+      struct Tiles { using type = AmxDecodeTask<decltype(dim_constant)::value>; };
+      return run(Tiles{}, at::BFloat16{}, dim_constant);
+    }
+#endif
     struct Paired { using type = PairedTask<decltype(dim_constant)::value>; };
     run(Paired{}, at::BFloat16{}, dim_constant);
   };
@@ -706,4 +858,22 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   }
 #endif
   return {out, lse};
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                                     double scale, bool with_lse,
+                                                     std::optional<torch::Tensor> row_order) {
+  return paged_decode_with(false, q, k_cache, v_cache, block_tables, context_lens, scale, with_lse, row_order);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> paged_decode_tiles(torch::Tensor q, torch::Tensor k_cache,
+                                                           torch::Tensor v_cache, torch::Tensor block_tables,
+                                                           torch::Tensor context_lens, double scale, bool with_lse,
+                                                           std::optional<torch::Tensor> row_order) {
+  TORCH_CHECK(amx_tiles_usable(), "paged_decode_tiles: this CPU or build has no AMX tiles (amx_tiles_usable())");
+  TORCH_CHECK(k_cache.dim() == 5, "paged_decode_tiles: the tiles read the paired KV layout only");
+  return paged_decode_with(true, q, k_cache, v_cache, block_tables, context_lens, scale, with_lse, row_order);
 }

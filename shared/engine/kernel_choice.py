@@ -43,8 +43,10 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # the head's size again; kernels.onednn_linear.PackedHead)
     "head": ("linear", "packed"),
     # decode rows' attention: the C++ in-place paged kernel (kernels.paged_decode_cpu, vector
-    # code), or the cascade of batched GEMMs over gathered blocks (kernels.attention)
-    "decode_attention": ("rows", "cascade"),
+    # code), the same kernel on the AMX tiles (the paired layout on a Xeon with AMX; then the
+    # kernel's other rows too), or the cascade of batched GEMMs over gathered blocks
+    # (kernels.attention)
+    "decode_attention": ("rows", "tiles", "cascade"),
     # prefill chunks' attention over their cached context: rows of the C++ in-place paged kernel
     # (kernels.paged_decode_cpu, vector code), or per-chunk GEMMs on the library's matmul (AMX
     # where the CPU has it) around the C++ softmax (kernels.attention.gemm_attention)
@@ -164,8 +166,8 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
                  measure, cached: KernelPlan | None = None) -> KernelPlan:
     """The plan for operations with ``candidates`` (those available here, per operation): a
     forced one where ``forced`` names it (ValueError if it is not available here), the only one
-    where there is one, else the cached choice when ``cached`` has this operation measured, else
-    ``fastest`` of ``measure(op)`` (shape bucket -> candidate -> ms)."""
+    where there is one, else the cached choice when ``cached`` timed exactly these candidates,
+    else ``fastest`` of ``measure(op)`` (shape bucket -> candidate -> ms)."""
     chosen, how, timings = {}, {}, {}
     for op, available in candidates.items():
         if op in forced:
@@ -175,12 +177,21 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
             chosen[op], how[op] = forced[op], "forced"
         elif len(available) == 1:
             chosen[op], how[op] = available[0], "only"
-        elif cached is not None and cached.how.get(op) in ("measured", "cached") and cached.chosen[op] in available:
-            chosen[op], how[op], timings[op] = cached.chosen[op], "cached", cached.timings_ms.get(op, {})
+        elif cached is not None and _timed(cached, op) == set(available):
+            chosen[op], how[op], timings[op] = cached.chosen[op], "cached", cached.timings_ms[op]
         else:
             timings[op] = measure(op)
             chosen[op], how[op] = fastest(op, timings[op]), "measured"
     return KernelPlan(chosen, how, timings)
+
+
+def _timed(plan: KernelPlan, op: str) -> set[str]:
+    """The implementations of ``op`` that ``plan`` chose among by timing (empty: not timed). A
+    cached choice stands only while they are the ones available: a build that adds one (or a
+    machine that lost one) measures again."""
+    if plan.how.get(op) not in ("measured", "cached") or not plan.timings_ms.get(op):
+        return set()
+    return set.intersection(*(set(bucket) for bucket in plan.timings_ms[op].values()))
 
 
 def cpu_signature(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

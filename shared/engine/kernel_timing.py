@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kernels import onednn_linear
 from kernels.attention import paged_attention
 from kernels.greedy_head import greedy_head
+from kernels.paged_decode_cpu import supports_tiles
 from shared.engine.kernel_choice import ChoiceCache, KernelPlan, KernelSpec, cpu_signature, plan_kernels
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -41,7 +42,10 @@ def candidates(runner) -> dict[str, tuple[str, ...]]:
     head = ("packed",) if isinstance(model.lm_head, onednn_linear.PackedHead) else (
         ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",))
     kernel = runner.decode_in_place  # the in-place C++ kernel builds here
-    return {"dense": dense, "head": head, "decode_attention": ("rows", "cascade") if kernel else ("cascade",),
+    cfg = model.config
+    tiles = kernel and runner.kv_layout == "paired" and supports_tiles(cfg.head_dim, runner.dtype, runner.block_size)
+    decode = ("rows", "tiles", "cascade") if tiles else ("rows", "cascade") if kernel else ("cascade",)
+    return {"dense": dense, "head": head, "decode_attention": decode,
             "prefill_attention": ("rows", "gemm") if kernel else ("gemm",)}
 
 

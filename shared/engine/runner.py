@@ -238,13 +238,15 @@ class ModelRunner:
         "rows" makes every token of the step, decode rows included, a row of the in-place kernel
         (``_rows_batch``); "gemm" runs them as GEMM segments (``_segments_batch``). Its decode
         rows follow ``decode_attention``: "rows" in the in-place kernel, "cascade" as batched
-        GEMMs over gathered blocks."""
+        GEMMs over gathered blocks, "tiles" in the in-place kernel on the AMX tiles (as are
+        the step's other kernel rows then)."""
         prefill = prefill_attention or self.prefill_attention
         decode = decode_attention or self.decode_attention
+        tiles = decode == "tiles"  # the in-place kernel's rows, prompt tokens included, on the AMX tiles
         chunks = any(not _as_decode_rows(c) for c in out.prefills)
-        if self._table_rows is not None and (prefill == "rows" if chunks else decode == "rows"):
-            return self._rows_batch(out)
-        return self._segments_batch(self._prepare(out), in_place_decodes=decode == "rows")
+        if self._table_rows is not None and (prefill == "rows" if chunks else decode != "cascade"):
+            return self._rows_batch(out, tiles)
+        return self._segments_batch(self._prepare(out), in_place_decodes=decode != "cascade", tiles=tiles)
 
     def apply_plan(self, plan: KernelPlan) -> None:
         """Run the implementations ``plan`` chose (``shared.engine.kernel_choice``): packed
@@ -258,21 +260,21 @@ class ModelRunner:
             pack_head(self.model)
         prefill = plan.chosen.get("prefill_attention", self.prefill_attention)
         decode = plan.chosen.get("decode_attention", self.decode_attention)
-        if "rows" in (prefill, decode) and self._table_rows is None:
-            raise ValueError("attention 'rows' needs the in-place CPU kernel, which this runner lacks")
+        if (prefill == "rows" or decode != "cascade") and self._table_rows is None:
+            raise ValueError("attention 'rows' or 'tiles' needs the in-place CPU kernel, which this runner lacks")
         self.prefill_attention, self.decode_attention = prefill, decode
         self.kernel_plan = plan
 
-    def _segments_batch(self, inputs: StepInputs, in_place_decodes: bool = False) -> StepBatch:
+    def _segments_batch(self, inputs: StepInputs, in_place_decodes: bool = False, tiles: bool = False) -> StepBatch:
         """``_prepare``'s plain ints as tensors and metadata (``_metadata``): the prefills as
         segments, the decode rows in the in-place kernel or (default) as the cascade."""
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
         meta = self._metadata(inputs.decode_tables, inputs.decode_lens, inputs.prefills, inputs.slots,
-                              in_place_decodes=in_place_decodes)
+                              in_place_decodes=in_place_decodes, tiles=tiles)
         return StepBatch(as_tensor(inputs.input_ids), as_tensor(inputs.positions), as_tensor(inputs.sample_rows),
                          meta)
 
-    def _rows_batch(self, out: SchedulerOutput) -> StepBatch:
+    def _rows_batch(self, out: SchedulerOutput, tiles: bool = False) -> StepBatch:
         """The step for the in-place kernel, built with numpy: every chunk is a run of rows (one
         decode row, or a prompt chunk's tokens) whose table is a row of ``_table_rows``, kept
         across steps. Rows in ``out.chunks`` order (decodes first).
@@ -295,7 +297,7 @@ class ModelRunner:
         ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                           count=len(run_of_row))
         device = self.device
-        rows = KernelRows.from_runs(run_tables, run_of_row, positions + 1, device)
+        rows = KernelRows.from_runs(run_tables, run_of_row, positions + 1, device, tiles)
         meta = AttentionMetadata.for_kernel_rows(torch.from_numpy(slots).to(device), len(out.decodes), rows,
                                                  self.workspace)
         return StepBatch(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
@@ -303,7 +305,7 @@ class ModelRunner:
 
     def _metadata(self, decode_block_tables: list[list[int]], decode_context_lens: list[int],
                   prefills: list[tuple[list[int], int, int]], slot_mapping: list[int], in_place: bool = False,
-                  in_place_decodes: bool = False):
+                  in_place_decodes: bool = False, tiles: bool = False):
         """A step's attention metadata in this runner's pool, on its device, for its kernels
         (``AttentionMetadata``, with ``in_place`` every token as a row of the in-place kernel,
         with ``in_place_decodes`` the decode rows; or ``TritonAttentionMetadata`` with the
@@ -324,6 +326,7 @@ class ModelRunner:
             device=self.device,
             in_place=in_place,
             in_place_decodes=in_place_decodes,
+            tiles=tiles,
         )
 
     def _copy_slots(self, copies: list[SlotCopy]) -> None:

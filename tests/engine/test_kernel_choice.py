@@ -89,6 +89,13 @@ def test_a_plan_measures_what_is_neither_forced_nor_alone_nor_cached():
     timer = FakeTimer(TIMINGS)
     plan = plan_kernels(BOTH, {}, timer, cached)
     assert plan.chosen["dense"] == "linear" and plan.how["dense"] == "cached" and timer.calls == ["prefill_attention"]
+    # a build with another candidate (or a machine without one) measures again
+    cached = KernelPlan({"decode_attention": "rows"}, {"decode_attention": "measured"},
+                        {"decode_attention": {"decode": {"rows": 1.0, "cascade": 3.0}}})
+    timer = FakeTimer({"decode_attention": {"decode": {"rows": 1.0, "tiles": 0.5, "cascade": 3.0}}})
+    plan = plan_kernels({"decode_attention": ("rows", "tiles", "cascade")}, {}, timer, cached)
+    assert plan.chosen["decode_attention"] == "tiles" and plan.how["decode_attention"] == "measured"
+    assert timer.calls == ["decode_attention"]
 
 
 def test_forcing_what_this_machine_lacks_is_refused_with_what_it_has():

@@ -13,6 +13,7 @@ import torch
 from kernels import onednn_linear
 from kernels.onednn_linear import PackedLinear
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
+from kernels.paged_decode_cpu import supports_tiles
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kernel_choice import KernelSpec
@@ -108,3 +109,26 @@ def test_forcing_rows_without_the_in_place_kernel_is_refused():
     with pytest.raises(ValueError, match="prefill_attention=rows, which this machine or model lacks"):
         choose_plan(runner, KernelSpec.parse("prefill_attention=rows"), measure=False, cache=None)
     engine.close()
+
+
+@pytest.mark.skipif(not supports_tiles(32, torch.bfloat16, BS), reason="the tiles need a CPU with AMX (amx_bf16)")
+def test_decode_rows_on_the_tiles_compute_the_vector_kernels_logits():
+    """bf16 on paired pools (head_dim 32): the AMX task's step logits are the vector task's up to
+    the order of float32 sums, for prompt rows and decode rows alike."""
+    shape = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+    runs = {}
+    for decode in ("rows", "tiles"):
+        model = tiny_model(seed=6, **shape).to(torch.bfloat16)
+        engine = Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, dtype="bfloat16",
+                                                  kernels=f"decode_attention={decode},prefill_attention=rows"))
+        assert engine.runner.kv_layout == "paired"
+        a, b = list(range(3, 61)), list(range(7, 50))
+        steps = [SchedulerOutput(prefills=[ScheduledChunk("a", a[:57], 0, [1, 2, 3, 4], sample=True),
+                                           ScheduledChunk("b", b, 0, [6, 7, 8], sample=True)]),
+                 SchedulerOutput(decodes=[ScheduledChunk("a", [a[57]], 57, [1, 2, 3, 4], sample=True),
+                                          ScheduledChunk("b", [9], len(b), [6, 7, 8], sample=True)])]
+        assert engine.runner.step_batch(steps[1]).meta.kernel_rows.tiles == (decode == "tiles")
+        runs[decode] = [engine.runner.execute(out).float() for out in steps]
+        engine.close()
+    for rows, tiles in zip(runs["rows"], runs["tiles"], strict=True):
+        torch.testing.assert_close(tiles, rows, atol=0.1, rtol=0.05)

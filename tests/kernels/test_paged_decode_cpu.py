@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.kv_layout import allocate_kv, write_kv
-from kernels.paged_decode_cpu import paged_decode_kernel, supports_paired
+from kernels.paged_decode_cpu import paged_decode_kernel, paged_decode_tiles_kernel, supports_paired, supports_tiles
 
 if paged_decode_kernel() is None and shutil.which("g++") is not None:
     pytest.fail("a C++ compiler is here but the CPU decode kernel did not build (see the log)")
@@ -98,6 +99,25 @@ def test_without_lse_the_second_result_is_none_and_bad_input_is_refused():
 def test_paired_layout_gives_the_tokens_layouts_results_exactly(seed, rows, kv_heads, group, dim, block_size):
     """The same K/V written into both layouts: the same bits out (the same products in the same
     order), with the paired slabs' unwritten slots holding NaN (never read into a result)."""
+    step = both_layouts(seed, rows, kv_heads, group, dim, block_size)
+    want = paged_decode_kernel()(step.q, *step.tokens, *step.rows, True, step.order)
+    got = paged_decode_kernel()(step.q, *step.paired, *step.rows, True, step.order)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@dataclass
+class BothLayouts:
+    tokens: tuple[torch.Tensor, torch.Tensor]
+    paired: tuple[torch.Tensor, torch.Tensor]  # unwritten slots hold NaN
+    tables: list[list[int]]
+    lens: list[int]
+    q: torch.Tensor
+    order: torch.Tensor  # rows sorted by table, as the engine runs them
+    rows: tuple  # (block tables padded, context lengths, scale): the kernel's next arguments
+
+
+def both_layouts(seed, rows, kv_heads, group, dim, block_size) -> BothLayouts:
+    """One decode step's K/V written into pools of both layouts (some rows sharing a prompt)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 32
@@ -120,9 +140,23 @@ def test_paired_layout_gives_the_tokens_layouts_results_exactly(seed, rows, kv_h
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(rows, kv_heads * group, dim).bfloat16()
     order = torch.tensor(sorted(range(rows), key=lambda r: tables[r]))
-    want = paged_decode_kernel()(q, *tokens, padded, torch.tensor(lens), dim**-0.5, True, order)
-    got = paged_decode_kernel()(q, *paired, padded, torch.tensor(lens), dim**-0.5, True, order)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    return BothLayouts(tuple(tokens), tuple(paired), tables, lens, q, order, (padded, torch.tensor(lens), dim**-0.5))
+
+
+@pytest.mark.skipif(not supports_tiles(64, torch.bfloat16, 16), reason="the tiles need a CPU with AMX (amx_bf16)")
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 12), kv_heads=st.sampled_from([1, 3]),
+       group=st.sampled_from([1, 3, 5, 8, 16]), dim=st.sampled_from([32, 64, 128]), block_size=st.sampled_from([16, 32]))
+def test_the_tiles_equal_plain_torch_and_never_read_unwritten_slots(seed, rows, kv_heads, group, dim, block_size):
+    """The AMX task over paired pools whose unwritten slots hold NaN: plain torch's results (and
+    the vector task's, up to the order of float32 sums)."""
+    step = both_layouts(seed, rows, kv_heads, group, dim, block_size)
+    out, lse = paged_decode_tiles_kernel()(step.q, *step.paired, *step.rows, True, step.order)
+    want_out, want_lse = reference(step.q, *step.tokens, step.tables, step.lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), want_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    vector, _ = paged_decode_kernel()(step.q, *step.paired, *step.rows, True, step.order)
+    torch.testing.assert_close(out.float(), vector.float(), atol=8e-3, rtol=8e-3)
 
 
 def test_the_paired_layout_is_refused_where_its_task_cannot_read_it():
