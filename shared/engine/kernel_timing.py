@@ -1,5 +1,6 @@
 """Times each candidate implementation of the CPU's hot operations on one model's real shapes, for
-``shared.engine.kernel_choice.plan_kernels``, and applies the plan to a ``ModelRunner``.
+``shared.engine.kernel_choice.plan_kernels``; ``choose_plan`` gives a ``ModelRunner`` its plan
+(which ``ModelRunner.apply_plan`` then runs).
 
 Each candidate is timed in a few shape buckets that stand for the steps a fleet runs (a batched
 decode step's rows, a prefill step's chunks), the median of a few calls after one warm-up call;
