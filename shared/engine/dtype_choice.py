@@ -42,14 +42,30 @@ def resolve_dtype(name: str, device: str) -> DtypeChoice:
     return DtypeChoice(torch.float32, "auto: CPU has no AVX-512 BF16 or AMX (bf16 would be emulated)")
 
 
+@dataclass(frozen=True)
+class CpuInfo:
+    """What ``/proc/cpuinfo`` says of the first CPU: its model name and instruction-set flags
+    (empty where the file is unreadable, e.g. not Linux)."""
+
+    model_name: str
+    flags: frozenset[str]
+
+
 @cache
+def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return CpuInfo("", frozenset())
+
+    def field(name: str) -> str:
+        return next((line.partition(":")[2] for line in lines if line.startswith(name)), "")
+
+    return CpuInfo(field("model name").strip(), frozenset(field("flags").split()))
+
+
 def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
     """The native-bf16 instruction sets this CPU reports (empty where it reports none or the
     file is unreadable, e.g. not Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return ()
-    flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    flags = set(flags_line.partition(":")[2].split())
+    flags = cpu_info(cpuinfo).flags
     return tuple(f for f in _BF16_CPU_FLAGS if f in flags)

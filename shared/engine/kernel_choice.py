@@ -22,6 +22,7 @@ Later items of ``kernels`` force an operation: ``"auto,dense=packed"``, ``"torch
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -194,19 +195,18 @@ def _timed(plan: KernelPlan, op: str) -> set[str]:
     return set.intersection(*(set(bucket) for bucket in plan.timings_ms[op].values()))
 
 
+@functools.cache
 def cpu_signature(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """What makes one CPU's timings another's: model name, the flags kernels branch on, cores
     this process may use, and the torch build (its oneDNN)."""
     import torch
 
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        text = ""
-    lines = text.splitlines()
-    name = next((line.partition(":")[2].strip() for line in lines if line.startswith("model name")), platform.processor())
-    flags = set(next((line.partition(":")[2] for line in lines if line.startswith("flags")), "").split())
-    kernel_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8") if f in flags]
+    from shared.engine.dtype_choice import cpu_info
+
+    info = cpu_info(cpuinfo)
+    kernel_flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+                    if f in info.flags]
+    name = info.model_name or platform.processor()
     return f"{name}|{','.join(kernel_flags)}|{len(os.sched_getaffinity(0))} cores|torch {torch.__version__}"
 
 
