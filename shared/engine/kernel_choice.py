@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +54,9 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("rows", "gemm"),
 }
 
+
+# (operation, its candidates here) -> shape bucket -> candidate -> milliseconds
+Measure = Callable[[str, tuple[str, ...]], Mapping[str, Mapping[str, float]]]
 
 # operation -> the step-profile phase its time counts in (shared.engine.step_profile)
 OPERATION_PHASES = {"dense": "model", "head": "logits", "decode_attention": "attention",
@@ -164,11 +167,13 @@ def fastest(op: str, buckets: Mapping[str, Mapping[str, float]]) -> str:
 
 
 def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str, str],
-                 measure, cached: KernelPlan | None = None) -> KernelPlan:
+                 measure: Measure | None, cached: KernelPlan | None = None) -> KernelPlan:
     """The plan for operations with ``candidates`` (those available here, per operation): a
     forced one where ``forced`` names it (ValueError if it is not available here), the only one
-    where there is one, else the cached choice when ``cached`` timed exactly these candidates,
-    else ``fastest`` of ``measure(op)`` (shape bucket -> candidate -> ms)."""
+    where there is one; without ``measure`` the first one ("default": the path before choices
+    were timed, which keeps a test's results independent of timings); else the cached choice
+    when ``cached`` timed exactly these candidates, else ``fastest`` of ``measure(op, available)``
+    (shape bucket -> candidate -> ms)."""
     chosen, how, timings = {}, {}, {}
     for op, available in candidates.items():
         if op in forced:
@@ -176,12 +181,12 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
                 raise ValueError(f"kernels forces {op}={forced[op]}, which this machine or model lacks "
                                  f"(available here: {list(available)})")
             chosen[op], how[op] = forced[op], "forced"
-        elif len(available) == 1:
-            chosen[op], how[op] = available[0], "only"
+        elif len(available) == 1 or measure is None:
+            chosen[op], how[op] = available[0], "only" if len(available) == 1 else "default"
         elif cached is not None and _timed(cached, op) == set(available):
             chosen[op], how[op], timings[op] = cached.chosen[op], "cached", cached.timings_ms[op]
         else:
-            timings[op] = measure(op)
+            timings[op] = measure(op, available)
             chosen[op], how[op] = fastest(op, timings[op]), "measured"
     return KernelPlan(chosen, how, timings)
 

@@ -22,7 +22,7 @@ from kernels import onednn_linear
 from kernels.attention import paged_attention
 from kernels.greedy_head import greedy_head
 from kernels.paged_decode_cpu import supports_tiles
-from shared.engine.kernel_choice import ChoiceCache, KernelPlan, KernelSpec, cpu_signature, plan_kernels
+from shared.engine.kernel_choice import ChoiceCache, KernelPlan, KernelSpec, Measure, cpu_signature, plan_kernels
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 DENSE_ROWS = {"decode": 32, "prefill": 512}  # bucket -> token rows of a layer's projections
@@ -50,15 +50,16 @@ def candidates(runner) -> dict[str, tuple[str, ...]]:
             "prefill_attention": ("rows", "gemm") if kernel else ("gemm",)}
 
 
-def measurer(runner) -> Callable[[str], dict[str, dict[str, float]]]:
-    """``op`` -> shape bucket -> candidate -> milliseconds, on ``runner``'s model and pools."""
-    def measure(op: str) -> dict[str, dict[str, float]]:
+def measurer(runner) -> Measure:
+    """(``op``, its candidates) -> shape bucket -> candidate -> milliseconds, on ``runner``'s
+    model and pools."""
+    def measure(op: str, impls: tuple[str, ...]) -> dict[str, dict[str, float]]:
         if op == "dense":
             return time_dense(runner.model.layers[0])
         if op == "head":
             return time_head(runner.model.lm_head)
         if op in ATTENTION_STEPS:
-            return time_attention(runner, op)
+            return time_attention(runner, op, impls)
         raise ValueError(f"no timing for operation {op!r}")
     return measure
 
@@ -103,9 +104,9 @@ def time_head(head) -> dict[str, dict[str, float]]:
                            "packed": median_ms(lambda: packed.greedy(hidden))}}
 
 
-def time_attention(runner, op: str) -> dict[str, dict[str, float]]:
-    """One layer's attention for ``op``'s step (``ATTENTION_STEPS``) through each of its
-    implementations, over distinct blocks of the layer's pool (read, never written)."""
+def time_attention(runner, op: str, impls: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """One layer's attention for ``op``'s step (``ATTENTION_STEPS``) through each of ``impls``,
+    over distinct blocks of the layer's pool (read, never written)."""
     cfg = runner.model.config
     k_cache, v_cache = runner.kv_caches[0]
     out = ATTENTION_STEPS[op](runner.block_size, len(k_cache) - 1)
@@ -113,7 +114,7 @@ def time_attention(runner, op: str) -> dict[str, dict[str, float]]:
     scale = cfg.head_dim**-0.5
     timings = {}
     with torch.inference_mode():
-        for impl in candidates(runner)[op]:
+        for impl in impls:
             meta = runner.step_batch(out, **{op: impl}).meta
             timings[impl] = median_ms(lambda: paged_attention(q, k_cache, v_cache, meta, scale))
     return {op.removesuffix("_attention"): timings}
@@ -163,9 +164,7 @@ def choose_plan(runner, spec: KernelSpec, measure: bool, cache: ChoiceCache | No
     choices were measured, which keeps a test's results independent of timings)."""
     available = candidates(runner)
     if not measure:
-        unforced = {op: impls[:1] for op, impls in available.items() if op not in spec.forced}
-        plan = plan_kernels({**available, **unforced}, spec.forced, measurer(runner))
-        return KernelPlan(plan.chosen, {op: ("forced" if op in spec.forced else "default") for op in plan.chosen})
+        return plan_kernels(available, spec.forced, None)
     key = f"{cpu_signature()}|{_model_key(runner)}"
     plan = plan_kernels(available, spec.forced, measurer(runner), cache.get(key) if cache is not None else None)
     if cache is not None:

@@ -62,7 +62,7 @@ class FakeTimer:
     def __init__(self, timings):
         self.timings, self.calls = timings, []
 
-    def __call__(self, op):
+    def __call__(self, op, candidates):
         self.calls.append(op)
         return self.timings[op]
 
