@@ -88,7 +88,7 @@ def pack_layer_linears(model: LlamaModel) -> int:
     reads it in slices). Returns how many were packed (none when they already are). The model must run the layer functions
     of ``PACKED_LAYERS`` afterwards (``LlamaModel.use_layer_functions``)."""
     count = 0
-    mapped = getattr(model, "mapped_weights", None)  # shared.model.weight_cache.MappedWeights
+    mapped = model.mapped_weights
     for layer in model.layers:
         for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
                             (layer.mlp, "down_proj")):

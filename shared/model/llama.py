@@ -249,6 +249,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # shared.model.weight_cache.MappedWeights where the parameters view a converted-weights
+        # file's pages (so a weight replaced by another form can give its pages back)
+        self.mapped_weights = None
         self.eager_functions = EAGER  # what forwards of fewer than compiled_min_tokens tokens run
         self.layer_functions = EAGER  # compile_layers() swaps in compiled ones
         self.compiled_min_tokens = 0
