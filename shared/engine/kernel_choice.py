@@ -123,8 +123,9 @@ def resolve_kernels(name: str, device: str) -> str:
 @dataclass(frozen=True)
 class KernelPlan:
     """One implementation per operation, and how each was settled: "forced" (the config),
-    "only" (one candidate here), "measured" or "cached" (timed now, or earlier on this CPU and
-    model). ``timings_ms``: per operation, per shape bucket, per candidate, as measured."""
+    "only" (one candidate here), "default" (the first candidate, untimed), "measured" or "cached"
+    (timed now, or earlier on this CPU and model). ``timings_ms``: per operation, per shape
+    bucket, per candidate, as measured."""
 
     chosen: Mapping[str, str]
     how: Mapping[str, str]
@@ -195,9 +196,7 @@ def _timed(plan: KernelPlan, op: str) -> set[str]:
     """The implementations of ``op`` that ``plan`` chose among by timing (empty: not timed). A
     cached choice stands only while they are the ones available: a build that adds one (or a
     machine that lost one) measures again."""
-    if plan.how.get(op) not in ("measured", "cached") or not plan.timings_ms.get(op):
-        return set()
-    return set.intersection(*(set(bucket) for bucket in plan.timings_ms[op].values()))
+    return set(_totals(plan.timings_ms.get(op, {}))) if plan.how.get(op) in ("measured", "cached") else set()
 
 
 @functools.cache
