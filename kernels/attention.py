@@ -45,10 +45,9 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
 from kernels.kv_layout import gather, kv_heads_of, write_kv
+from kernels.layer_math import rotated
 from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel, paged_decode_tiles_kernel
 from kernels.softmax_lse_cpu import SoftmaxLse, softmax_lse_kernel
-
-from shared.model.llama import rotated
 
 if TYPE_CHECKING:
     from shared.engine.kv.layer_fence import LayerFence

@@ -1,5 +1,5 @@
 """A decoder layer's two dense halves for a few rows on the CPU, over weights in blocks of 32
-columns (``kernels.block_matmul_cpu``): ``shared.model.llama.attention_inputs`` and
+columns (``kernels.block_matmul_cpu``): ``kernels.layer_math.attention_inputs`` and
 ``attention_outputs`` each in one C++ call (``csrc/block_layer_cpu.cpp``) instead of ~20 torch
 ops, which is most of a one-token forward's time on a small model.
 

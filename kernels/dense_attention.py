@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.paged_decode_cpu import paged_decode_kernel, supports
-from shared.model.llama import rotated
+from kernels.layer_math import rotated
 
 DECODE_BLOCK = 64  # the paged decode kernel's largest block size
 DECODE_MAX_TOKENS = 16  # steps of at most this many tokens read the buffer with the decode kernel

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kernels.greedy_head import MAX_VOCAB_SLICE, greedy_over_slices
-from shared.model.llama import LayerFunctions, LlamaModel, attention_inputs, attention_outputs
+from kernels.layer_math import LayerFunctions, attention_inputs, attention_outputs
 
 _PACKED: dict[int, torch.Tensor] = {}  # a handle's storage address -> its packed weight
 
@@ -81,26 +81,6 @@ class PackedLinear(nn.Module):
         return packed_linear(x.flatten(0, -2), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
-def pack_layer_linears(model: LlamaModel) -> int:
-    """Replace every decoder layer's projections (q/k/v, o, gate/up, down) with ``PackedLinear``
-    in place, dropping their dense weights (and their pages, where they view a converted-weights
-    file: ``shared.model.weight_cache.MappedWeights``); the LM head stays dense (``kernels.greedy_head``
-    reads it in slices). Returns how many were packed (none when they already are). The model must run the layer functions
-    of ``PACKED_LAYERS`` afterwards (``LlamaModel.use_layer_functions``)."""
-    count = 0
-    mapped = model.mapped_weights
-    for layer in model.layers:
-        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                            (layer.mlp, "down_proj")):
-            linear = getattr(owner, name)
-            if not isinstance(linear, PackedLinear):
-                setattr(owner, name, PackedLinear(linear.weight, linear.bias))
-                if mapped is not None:  # its dense copy no longer counts in memory
-                    mapped.release(linear.weight)
-                count += 1
-    return count
-
-
 class PackedHead(nn.Module):
     """An LM head whose weight is also packed, in vocabulary slices of ``slice_rows``: full logits
     are the slices' products side by side, and ``greedy`` takes each slice's maxima while they
@@ -121,14 +101,6 @@ class PackedHead(nn.Module):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows] int64
         return greedy_over_slices(hidden.shape[0], ((i * self.slice_rows, packed_linear(hidden, part.weight))
                                                     for i, part in enumerate(self._slices)))
-
-
-def pack_head(model: LlamaModel) -> bool:
-    """Give ``model`` a ``PackedHead`` (in place); False when it has one already."""
-    if isinstance(model.lm_head, PackedHead):
-        return False
-    model.lm_head = PackedHead(model.lm_head)
-    return True
 
 
 # the layers' dense halves with ``packed_linear`` for their products (weights: the handles)

@@ -1,4 +1,4 @@
-"""A layer's dense halves on the Triton kernels (``shared.model.llama.LayerFunctions``): RMSNorm
+"""A layer's dense halves on the Triton kernels (``kernels.layer_math.LayerFunctions``): RMSNorm
 in one kernel, the post-attention residual add fused into the second RMSNorm
 (``kernels.triton_rms_norm``), q and k left unrotated for ``kernels.triton_attention``'s step
 to rotate as it writes the KV cache. The projections stay the GPU library's GEMMs.
@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from kernels.triton_rms_norm import add_rms_norm
-from shared.model.llama import LayerFunctions, swiglu
+from kernels.layer_math import LayerFunctions, swiglu
 
 
 def attention_inputs(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, heads, D], k and v [T, kv_heads, D]: unrotated
-    """RMSNorm and the fused QKV projection (``shared.model.llama.attention_inputs`` without
+    """RMSNorm and the fused QKV projection (``kernels.layer_math.attention_inputs`` without
     the rotary, which the step fuses with its KV write)."""
     normed, _ = add_rms_norm(x, norm_weight, eps)
     qkv = nn.functional.linear(normed, qkv_weight, qkv_bias)
@@ -30,7 +30,7 @@ def attention_outputs(
     gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
 ) -> torch.Tensor:  # [T, hidden] the residual stream after the layer
     """The output projection, its residual add fused into the second RMSNorm, the SwiGLU MLP
-    and its residual (``shared.model.llama.attention_outputs``)."""
+    and its residual (``kernels.layer_math.attention_outputs``)."""
     normed, x = add_rms_norm(nn.functional.linear(attended.flatten(1), o_weight), norm_weight, eps, residual=x)
     return x + swiglu(normed, gate_up_weight, down_weight)
 

@@ -2,7 +2,7 @@
 runs it under ``TRITON_INTERPRET=1``), with its plain-torch reference
 (``reference_add_rms_norm``).
 
-Numerics are HF's (``shared.model.llama.rms_norm``): the residual sum rounded to the model's
+Numerics are HF's (``kernels.layer_math.rms_norm``): the residual sum rounded to the model's
 dtype, normalized in float32, rounded, then scaled by the weight in the model's dtype. One
 program per row; the whole hidden vector in one tile.
 """
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_support import INTERPRETED, cast
-from shared.model.llama import rms_norm
+from kernels.layer_math import rms_norm
 
 
 @triton.jit

@@ -4,7 +4,7 @@ under ``TRITON_INTERPRET=1``), with its plain-torch reference (``reference_rotar
 For each token: its query heads rotated into a new tensor; its key heads rotated and, with its
 value heads, stored at its slot of the paged pools (``slot = block * block_size + offset``).
 Rotate-half form, as HF checkpoints store Q/K; the arithmetic is the model's
-(``shared.model.llama.apply_rotary``): cos and sin in the model's dtype, each product and the
+(``kernels.layer_math.apply_rotary``): cos and sin in the model's dtype, each product and the
 sum rounded to it. One program per token, every head of it in one tile.
 """
 
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kernels.kv_layout import write_kv
 from kernels.triton_support import INTERPRETED, cast
-from shared.model.llama import RopeTables, apply_rotary
+from kernels.layer_math import RopeTables, apply_rotary
 
 
 @triton.jit

@@ -14,13 +14,13 @@ import torch
 
 from edged.backends.quantize import BLOCK_KERNEL_MAX_ROWS, QuantizedWeight
 from kernels.block_layers_cpu import block_attention_inputs, block_attention_outputs
-from shared.model.llama import LayerFunctions, attention_inputs, attention_outputs
+from kernels.layer_math import LayerFunctions, attention_inputs, attention_outputs
 
 
 def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: QuantizedWeight,
                            qkv_bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                            num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``shared.model.llama.attention_inputs`` for a layer whose QKV is a ``BlockLinear``."""
+    """``kernels.layer_math.attention_inputs`` for a layer whose QKV is a ``BlockLinear``."""
     if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
         return attention_inputs(x, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, num_heads, num_kv_heads)
     return block_attention_inputs(x, norm_weight, eps, qkv_weight.layer.block_weight, qkv_bias, cos, sin,
@@ -30,7 +30,7 @@ def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 def fused_attention_outputs(x: torch.Tensor, attended: torch.Tensor, o_weight: QuantizedWeight,
                             norm_weight: torch.Tensor, eps: float, gate_up_weight: QuantizedWeight,
                             down_weight: QuantizedWeight) -> torch.Tensor:
-    """``shared.model.llama.attention_outputs`` for a layer whose projections are ``BlockLinear``s."""
+    """``kernels.layer_math.attention_outputs`` for a layer whose projections are ``BlockLinear``s."""
     if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
         return attention_outputs(x, attended, o_weight, norm_weight, eps, gate_up_weight, down_weight)
     return block_attention_outputs(x, attended, o_weight.layer.block_weight, norm_weight, eps,

@@ -13,7 +13,7 @@ from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace, KernelRows, expand_runs
 from kernels.greedy_head import greedy_head
 from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
-from kernels.onednn_linear import PACKED_LAYERS, PackedHead, pack_head, pack_layer_linears
+from kernels.onednn_linear import PACKED_LAYERS, PackedHead
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_paired
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
@@ -28,6 +28,7 @@ from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.engine.step_profile import StepProfile, TimedAttentionStep, maybe_phase
 from shared.model.llama import AttentionStep, KVCache, LlamaModel
+from shared.model.onednn_packing import pack_head, pack_layer_linears
 
 
 MAX_DECODE_ROWS_CHUNK = 48  # longer chunks (prompts) run as prefill segments

@@ -3,25 +3,23 @@
 Covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Qwen2/2.5 (q/k/v bias) and Mistral: RMSNorm,
 rotary embeddings (rotate-half form, as HF checkpoints store Q/K), grouped-query attention,
 SwiGLU MLP, optionally tied embeddings. Q/K/V and gate/up projections are fused at load time so
-a layer is a handful of large matmuls.
+a layer is a handful of large matmuls. The layer math itself (RMSNorm, rotary, SwiGLU, the dense
+halves around attention) is ``kernels.layer_math``, which the device kernels reproduce.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from typing import Protocol
-
+from kernels.layer_math import LayerFunctions, RopeTables, apply_rotary, rms_norm
 from shared.model.lazy_weights import tensor_source
 from shared.model.model_config import ModelConfig, RopeScaling
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim // 2] in the model's dtype
 
 # One layer's (K, V) cache, in whatever layout the step's AttentionStep reads: the engine's
 # paged pools [num_blocks, block_size, kv_heads, head_dim], or edged's dense [max_len, kv_heads, head_dim].
@@ -57,12 +55,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalized in float32, scaled in the model's dtype."""
-    wide = x.float()
-    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -108,18 +100,6 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(x, self.tables(positions, x.dtype))
 
 
-def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """x: [T, heads, head_dim] rotated in rotate-half form (as HF checkpoints store Q/K)."""
-    cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def rotated(q: torch.Tensor, k: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated by ``rope``; as they are without one (an ``AttentionStep``'s ``rope``)."""
-    return (q, k) if rope is None else (apply_rotary(q, rope), apply_rotary(k, rope))
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -144,68 +124,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # NOTE: the modules: a packed one holds no dense weight
         return self.down_proj(nn.functional.silu(gate) * up)
-
-
-Linear = Callable[..., torch.Tensor]  # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]
-
-
-def swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-           linear: Linear = nn.functional.linear) -> torch.Tensor:
-    """The SwiGLU MLP with gate and up projections fused into one weight (gate rows first)."""
-    gate, up = linear(x, gate_up_weight).chunk(2, dim=-1)
-    return linear(nn.functional.silu(gate) * up, down_weight)
-
-
-def attention_inputs(
-    x: torch.Tensor,  # [T, hidden] the residual stream
-    norm_weight: torch.Tensor,
-    eps: float,
-    qkv_weight: torch.Tensor,
-    qkv_bias: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    linear: Linear = nn.functional.linear,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, heads, D], k and v [T, kv_heads, D]
-    """A layer's dense work before attention: RMSNorm, the fused QKV projection, rotary on q and
-    k. ``linear`` multiplies by a weight (``kernels.onednn_linear.packed_linear``: a packed one)."""
-    qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
-    head_dim = cos.shape[-1] * 2
-    # q and k sit side by side in qkv's rows: one rotation for both
-    qk = apply_rotary(qkv[:, : (num_heads + num_kv_heads) * head_dim].view(-1, num_heads + num_kv_heads, head_dim),
-                      (cos, sin))
-    q, k = qk.split((num_heads, num_kv_heads), dim=1)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
-    return q, k, v
-
-
-def attention_outputs(
-    x: torch.Tensor,  # [T, hidden] the residual stream
-    attended: torch.Tensor,  # [T, heads, D]
-    o_weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    linear: Linear = nn.functional.linear,
-) -> torch.Tensor:  # [T, hidden] the residual stream after the layer
-    """A layer's dense work after attention: the output projection and residual, RMSNorm, the
-    SwiGLU MLP and residual."""
-    x = x + linear(attended.flatten(1), o_weight)
-    return x + swiglu(rms_norm(x, norm_weight, eps), gate_up_weight, down_weight, linear)
-
-
-@dataclass(frozen=True)
-class LayerFunctions:
-    """The two dense halves of every layer: eager, compiled once for all layers (the weights
-    are arguments, so every layer runs the same compiled code), or a device's fused kernels
-    (``kernels.triton_layers``)."""
-
-    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
-    attention_outputs: Callable[..., torch.Tensor] = attention_outputs
-    # attention_inputs leaves q and k unrotated: the step's attend rotates them (given the tables)
-    rotary_in_attention: bool = False
 
 
 EAGER = LayerFunctions()

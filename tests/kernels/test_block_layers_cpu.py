@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from edged.backends.quantize import BlockLinear
 from kernels.block_layers_cpu import block_attention_inputs, block_attention_outputs
-from shared.model.llama import attention_inputs, attention_outputs
+from kernels.layer_math import attention_inputs, attention_outputs
 from tests.kernels.test_block_matmul_cpu import needs_bf16, needs_kernels, random_weight
 
 EPS = 1e-5

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kernels import onednn_linear
 from kernels.greedy_head import greedy_head_reference
-from kernels.onednn_linear import PACKED_LAYERS, PackedHead, PackedLinear, pack_head, pack_layer_linears, packed_linear
+from kernels.onednn_linear import PACKED_LAYERS, PackedHead, PackedLinear, packed_linear
+from shared.model.onednn_packing import pack_head, pack_layer_linears
 from shared.model.weight_cache import load_model
 from tests.engine.tiny import dense_logits, tiny_model
 from tests.model.tiny_gguf import write_tiny_gguf
