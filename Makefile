@@ -87,7 +87,7 @@ bench-cluster: model kernels
 # and cloudd's HTTP API with malformed, half-sent and idle requests, then eight faults with plans
 # in flight; every plan accounted for (at most 15 min). The report: soak-report.json.
 soak: model kernels
-	$(PY) -m shared.soak --json soak-report.json
+	$(PY) -m soak --json soak-report.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.soak.plans import LATE_MARGIN_S, Outcome, PlanAsk
-from shared.soak.run import SoakReport, _account
+from soak.plans import LATE_MARGIN_S, Outcome, PlanAsk
+from soak.run import SoakReport, _account
 
 
 def outcome(answer: str | None, took_s: float | None, deadline_ms: int | None = 1_000) -> Outcome:

@@ -8,8 +8,8 @@ import pytest
 
 from shared.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode
 from shared.protocol.messages import Generate
-from shared.soak.fuzz_frames import DEEP_FRAME, OVERSIZED_EVERY, FrameSource, _pack, _targeted_mutations
 from shared.transport.router import MAX_FRAME_BYTES
+from soak.fuzz_frames import DEEP_FRAME, OVERSIZED_EVERY, FrameSource, _pack, _targeted_mutations
 
 
 def test_the_same_seed_gives_the_same_frames():

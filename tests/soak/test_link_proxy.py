@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.soak.link_proxy import LinkMode, LinkProxy
+from soak.link_proxy import LinkMode, LinkProxy
 
 
 class _Echo(socketserver.BaseRequestHandler):

@@ -4,7 +4,7 @@ harness and the daemons' answers, not speed: no timing is asserted.)"""
 
 from __future__ import annotations
 
-from shared.soak.run import SoakSettings, run_soak
+from soak.run import SoakSettings, run_soak
 
 
 def test_a_short_soak_loses_nothing_and_runs_nothing_twice():

@@ -1,5 +1,5 @@
-"""``python -m shared.soak`` (``make soak``): the soak run, its table, and ``--json`` the report.
-Exit status 0 only when the run passed (see ``shared.soak.run``)."""
+"""``python -m soak`` (``make soak``): the soak run, its table, and ``--json`` the report.
+Exit status 0 only when the run passed (see ``soak.run``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from shared.soak.faults import FAULTS
-from shared.soak.run import SoakReport, SoakSettings, run_soak
+from soak.faults import FAULTS
+from soak.run import SoakReport, SoakSettings, run_soak
 
 
 def table(report: SoakReport) -> str:
@@ -35,7 +35,7 @@ def table(report: SoakReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shared.soak", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m soak", description=__doc__)
     p.add_argument("--frames", type=int, default=1_000_000, help="fuzz frames per daemon")
     p.add_argument("--http-requests", type=int, default=5_000)
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {', '.join(FAULTS)}")

@@ -18,9 +18,9 @@ import zmq
 
 from shared.protocol.codec import ProtocolError, decode
 from shared.protocol.messages import Chunk, Error
-from shared.soak.fuzz_frames import FrameSource
-from shared.soak.probes import dealer
 from shared.transport.curve import ClientCurve
+from soak.fuzz_frames import FrameSource
+from soak.probes import dealer
 
 
 @dataclass

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.soak.fleet import EDGE_ROBOT, ESCALATE_TAG, Fleet
-from shared.soak.link_proxy import LinkMode
-from shared.soak.plans import TASKS, PlanAsk, Traffic
+from soak.fleet import EDGE_ROBOT, ESCALATE_TAG, Fleet
+from soak.link_proxy import LinkMode
+from soak.plans import TASKS, PlanAsk, Traffic
 
 LEAD_S = 1.5  # plans are under way (prefilled, streaming) when a fault strikes
 

@@ -25,15 +25,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.soak.faults import FAULTS, restore_disk_dir, run_fault
-from shared.soak.fleet import FUZZ_ROBOT, Fleet
-from shared.soak.fuzz_frames import FrameSource
-from shared.soak.http_fuzz import fuzz_http
-from shared.soak.plans import LATE_MARGIN_S, Outcome, Traffic
-from shared.soak.probes import HealthWatch, ProcessResources, resources_dict
-from shared.soak.socket_fuzz import fuzz_socket
 from shared.transport.client import FleetClient
 from shared.transport.execution_log import read_executions
+from soak.faults import FAULTS, restore_disk_dir, run_fault
+from soak.fleet import FUZZ_ROBOT, Fleet
+from soak.fuzz_frames import FrameSource
+from soak.http_fuzz import fuzz_http
+from soak.plans import LATE_MARGIN_S, Outcome, Traffic
+from soak.probes import HealthWatch, ProcessResources, resources_dict
+from soak.socket_fuzz import fuzz_socket
 
 DIRECT_ROBOTS = ["amr-001", "amr-002", "amr-003", "amr-004"]
 PROBE = [{"role": "user", "content": "List three things a warehouse robot checks before it lifts a shelf."}]

@@ -20,10 +20,10 @@ from robot_sdk import PlanClient
 from robot_sdk.prompt import system_prompt
 from robot_sdk.skills import as_skills
 from shared.daemon_process import DaemonProcess
-from shared.soak.link_proxy import LinkProxy
-from shared.soak.plans import MAX_STEPS, SKILLS
 from shared.transport.client import ClientConfig, FleetClient
 from shared.transport.curve import ClientCurve, create_keys
+from soak.link_proxy import LinkProxy
+from soak.plans import MAX_STEPS, SKILLS
 
 EDGE_ROBOT = "amr-edge"
 FUZZ_ROBOT = "fuzzbot"
