@@ -39,14 +39,29 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cloudd.api_keys import ApiKeys
 from cloudd.metrics import ServerMetrics
 from shared.engine.request import stop_reason
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.messages import ChatMessage, Chunk, Error, ErrorCode, Generate, Priority, Result, Sampling
-from shared.transport.client import Call, FleetClient, Reply, RequestFailed, RequestInFlight
+from shared.transport.client import Call, ClientConfig, FleetClient, Reply, RequestFailed, RequestInFlight
+from shared.transport.curve import ClientCurve
+from shared.transport.loopback import is_loopback
+
+if TYPE_CHECKING:
+    import zmq
+
+    from cloudd.server import ServeConfig
+
+
+class FleetFront(Protocol):
+    """Where the HTTP API's client connects: a server's ``inproc`` endpoint in this process."""
+
+    inproc_endpoint: str
+    local_curve: ClientCurve | None
+    context: zmq.Context
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +113,43 @@ def make_http_server(host: str, port: int, ctx: ApiContext, timeout_s: float = 3
     new connection is answered 503 and closed at once, without a thread of its own."""
     handler = type("BoundHandler", (_Handler,), {"ctx": ctx, "timeout": timeout_s})
     return _BoundedHTTPServer((host, port), handler, max_connections)
+
+
+@dataclass
+class HttpApi:
+    """A running HTTP API: its server (on a thread of its own), its protocol client, its keys."""
+
+    server: ThreadingHTTPServer
+    client: FleetClient
+    api_keys: ApiKeys | None
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the API key file read again; a file that cannot be read keeps the keys in force."""
+        if self.api_keys is None:
+            return
+        try:
+            log.info("SIGHUP: %d HTTP API keys", self.api_keys.reload())
+        except (OSError, ValueError) as e:
+            log.error("SIGHUP: HTTP API keys not reloaded: %s", e)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.client.close()
+
+
+def start_http_api(serve: ServeConfig, fleet: FleetFront, tokenizer: Tokenizer, metrics: ServerMetrics,
+                   model_name: str) -> HttpApi:
+    """The HTTP API of ``serve``'s ``http_*`` settings, a protocol client of ``fleet`` (a
+    ``CloudServer`` or a ``ClusterFront``) over ``inproc`` with its CURVE client keys, served on
+    a thread of its own."""
+    client = FleetClient(fleet.inproc_endpoint, ClientConfig(curve=fleet.local_curve), context=fleet.context)
+    api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
+    server = make_http_server(serve.http_host, serve.http_port,
+                              ApiContext(client, tokenizer, metrics, model_name, api_keys,
+                                         open_probes=is_loopback(serve.http_host)),
+                              timeout_s=serve.http_timeout_s, max_connections=serve.http_max_connections)
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    return HttpApi(server, client, api_keys)
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):

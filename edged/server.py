@@ -1,12 +1,12 @@
 """edged's daemon: the protocol on local endpoints, one local decode lane, escalation to cloudd.
 
-One front thread owns the ROUTER socket (bound to an ``ipc://`` path and a loopback ``tcp://``
-port for the robot's processes) and every request's state; nothing else touches either. The
-local worker thread (``edged.local_worker``) and the cloud link (``edged.cloud_link``) report
-back through an event queue that wakes the front thread, so health probes are answered at once
-whatever the model is doing. So does the preparing thread, which tokenizes each new request and
-validates its grammar: a long prompt or a new grammar (hundreds of milliseconds) never holds
-the front thread.
+``EdgeServer`` is the lane of a request front (``shared.transport.request_front``), bound to an
+``ipc://`` path and a loopback ``tcp://`` port for the robot's processes. The front's socket
+thread answers health probes at once whatever the model is doing; its loop owns every request's
+state, and the local worker thread (``edged.local_worker``), the cloud link
+(``edged.cloud_link``) and the preparing thread (which tokenizes each new request and validates
+its grammar, so a long prompt or a new grammar never holds the loop) report back through its
+mailbox.
 
 Each request ends with exactly one ``result`` (or one ``error`` when it could not be served at
 all) saying where it was answered (``source``), why it was escalated (``escalation_reason``)
@@ -27,11 +27,9 @@ text is always the answer.
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -46,16 +44,11 @@ from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary, model_stats
-from shared.protocol.codec import ProtocolError, encode
-from shared.protocol.messages import (
-    Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Source, Stats, Usage,
-)
-from shared.transport.execution_log import ExecutionLog
-from shared.transport.ledger import LedgerEntry, RequestLedger
+from shared.protocol.messages import Error, ErrorCode, Generate, Result, Source, Usage
+from shared.transport.curve import Caller
 from shared.transport.loopback import is_local_endpoint
-from shared.transport.mailbox import Mailbox
-from shared.transport.preparing import Admitting, Preparer
-from shared.transport.router import incoming, router_socket, send_nowait
+from shared.transport.preparing import Admitting
+from shared.transport.request_front import FrontConfig, Lane, Refused, RequestFront
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +78,17 @@ class EdgeServeConfig:
         if self.max_queue < 1 or self.result_ttl_s <= 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_queue >= 1, result_ttl_s > 0, shutdown_grace_s >= 0")
 
+    def front(self) -> FrontConfig:
+        """The request front of these settings."""
+        return FrontConfig(daemon="edged", endpoints=self.endpoints, result_ttl_s=self.result_ttl_s,
+                           shutdown_grace_s=self.shutdown_grace_s, execution_log=self.execution_log)
+
 
 @dataclass(eq=False)
 class EdgeRequest:
     """One live request's state (front thread only)."""
 
     msg: Generate
-    entry: LedgerEntry
     received: float
     prompt_ids: list[int]
     spec: GrammarSpec | None
@@ -121,16 +118,17 @@ class Prepared:
 
 @dataclass
 class EdgeCounters:
-    requests: int = 0
     answered_local: int = 0
     answered_cloud: int = 0
     fallbacks: int = 0  # degraded local answers
-    rejected: int = 0
     escalations: dict[str, int] = field(default_factory=dict)  # by reason
     cloud_errors: int = 0
 
 
-class EdgeServer:
+class EdgeServer(Lane[Prepared]):
+    """The robot's lane of a ``RequestFront``: each request runs on the local worker, and on the
+    cloud link when ``policy`` escalates it."""
+
     def __init__(self, worker: LocalWorker, compiler: GrammarCompiler, policy: EscalationPolicy,
                  cloud: CloudLink | None, config: EdgeServeConfig, model: ModelSummary,
                  context: zmq.Context | None = None):
@@ -142,128 +140,42 @@ class EdgeServer:
         self.cloud = cloud
         self.config = config
         self.model = model  # what the stats say it runs
-        self.context = context or zmq.Context.instance()
-        self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
-        self.executions = ExecutionLog(config.execution_log)
         self.counters = EdgeCounters()
         self.live: dict[str, EdgeRequest] = {}
-        self.mailbox = Mailbox()  # the preparing thread's, the local worker's and the cloud link's events
-        self._preparer: Preparer[Prepared] = Preparer("edged-prepare", self.mailbox)
-        self._stop = threading.Event()
-        self._draining = False
-        self.socket = router_socket(self.context)
-        self.endpoints = [self._bind(ep) for ep in config.endpoints]
+        self.front: RequestFront[Prepared] = RequestFront(self, config.front(), context)
+        # the local worker's and the cloud link's events, for the front's loop
+        self.mailbox = self.front.mailbox
+        self.endpoints = self.front.endpoints
 
-    def _bind(self, endpoint: str) -> str:
-        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-            port = self.socket.bind_to_random_port(endpoint.rsplit(":", 1)[0])
-            return f"{endpoint.rsplit(':', 1)[0]}:{port}"
-        self.socket.bind(endpoint)
-        return endpoint
+    def close(self) -> None:
+        self.worker.stop()
+        if self.cloud is not None:
+            self.cloud.close()
 
-    # --- loop ------------------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Drain and return from ``serve_forever`` (safe from any thread or signal handler)."""
-        self._stop.set()
-        self.mailbox.wake()
-
-    def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.mailbox.fd, zmq.POLLIN)
-        grace_ends: float | None = None
-        try:
-            while True:
-                if self._stop.is_set() and grace_ends is None:
-                    self._draining = True
-                    grace_ends = time.monotonic() + self.config.shutdown_grace_s
-                if grace_ends is not None and (not (self.live or self._preparer) or time.monotonic() >= grace_ends):
-                    for pending in self._preparer.drain():
-                        self._reject_all(pending, Error(ErrorCode.REJECTED, "edged is shutting down",
-                                                        pending.msg.request_id))
-                    for req in list(self.live.values()):
-                        self._cancel(req)
-                    self.mailbox.run(wait_s=1.0, until=lambda: not self.live)  # their results
-                    return
-                events = dict(poller.poll(self._poll_ms()))
-                if self.mailbox.fd in events:
-                    self.mailbox.run()
-                if self.socket in events:
-                    self._read_all()
-                self._check_timers()
-                self.ledger.expire(time.monotonic())
-        finally:
-            self._preparer.close()
-            self.worker.stop()
-            if self.cloud is not None:
-                self.cloud.close()
-            self.socket.close()
-            self.executions.close()
-            self.mailbox.close()
-
-    def _poll_ms(self) -> int:
+    def wait_ms(self) -> int:
         timers = [r.cloud_give_up for r in self.live.values() if r.cloud_waiting and r.cloud_give_up]
         if not timers:
             return 100
         return max(0, min(100, int((min(timers) - time.monotonic()) * 1000) + 1))
 
-    def _read_all(self) -> None:
-        for identity, _, _, msg in incoming(self.socket):
-            try:
-                if isinstance(msg, Error):
-                    self._send(identity, msg)
-                else:
-                    self._handle(identity, msg)
-            except ProtocolError as e:
-                self._send(identity, Error(e.code, e.message, e.request_id))
-            except Exception as e:  # a bug answering one message must not stop the daemon
-                log.exception("failed to handle a message")
-                self._send(identity, Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
-
-    def _handle(self, identity: bytes, msg: Message) -> None:
-        if isinstance(msg, Health):
-            self._send(identity, Health("draining" if self._draining else "ok"))
-        elif isinstance(msg, Stats):
-            self._send(identity, Stats(self.snapshot()))
-        elif isinstance(msg, Cancel):
-            self._on_cancel(identity, msg)
-        elif isinstance(msg, Generate):
-            self._on_generate(identity, msg)
-        else:
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.TYPE!r} is a reply, not a request",
-                                getattr(msg, "request_id", None))
+    def stats(self, caller: Caller, reply: Callable[[dict | Error], None]) -> None:
+        reply(self.snapshot())
 
     # --- admission -----------------------------------------------------------------------------
 
-    def _on_generate(self, identity: bytes, msg: Generate) -> None:
-        """Cheap checks here; tokenizing and grammar validation on the preparing thread, so health
-        and every other message are answered meanwhile; ``_admit`` takes it from there. A retry
-        while its request is being prepared joins it."""
+    def refusal(self, msg: Generate) -> Error | None:
+        """Before tokenizing (which runs on the preparing thread, so health and every other
+        message are answered meanwhile): a full local queue, a prompt over ``max_prompt_chars``."""
         rid = msg.request_id
-        entry = self.ledger.get(rid)
-        if entry is not None:
-            for reply in entry.rejoin(identity, msg):
-                self._send(identity, reply)
-            return
-        joined = self._preparer.rejoin(identity, msg)
-        if joined is not None:
-            for reply in joined:
-                self._send(identity, reply)
-            return
-        self.counters.requests += 1
-        if self._draining:
-            return self._reject(identity, Error(ErrorCode.REJECTED, "edged is shutting down", rid))
         if self.worker.depth >= self.config.max_queue:
-            return self._reject(identity, Error(ErrorCode.REJECTED,
-                                                f"overloaded: {self.config.max_queue} local jobs queued", rid))
+            return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_queue} local jobs queued", rid)
         chars = sum(len(m.content) for m in msg.messages)
         if chars > self.config.max_prompt_chars:
-            return self._reject(identity, Error(ErrorCode.INVALID_REQUEST, f"prompt of {chars} characters is over "
-                                                f"max_prompt_chars {self.config.max_prompt_chars}", rid))
-        self._preparer.start(identity, msg, functools.partial(self._prepare, msg), self._admit)
+            return Error(ErrorCode.INVALID_REQUEST, f"prompt of {chars} characters is over "
+                         f"max_prompt_chars {self.config.max_prompt_chars}", rid)
+        return None
 
-    def _prepare(self, msg: Generate) -> Prepared:
+    def prepare(self, msg: Generate) -> Prepared:
         """The preparing thread: ValueError for a request that cannot be served."""
         prompt = (self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
                   if msg.messages else list(msg.prompt_ids))
@@ -273,49 +185,29 @@ class EdgeServer:
             self.compiler.validate(spec)
         return Prepared(prompt, params, spec)
 
-    def _admit(self, pending: Admitting, done: Future[Prepared]) -> None:
-        msg, first, rid = pending.msg, pending.identities[0], pending.msg.request_id
-        try:
-            prepared = done.result()
-        except ValueError as e:
-            return self._reject_all(pending, Error(ErrorCode.INVALID_REQUEST, str(e), rid))
-        except Exception as e:  # a bug preparing one request must not stop the daemon
-            log.exception("failed to prepare a request")
-            return self._reject_all(pending, Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", rid))
-        if pending.cancelled_by:
-            return self._reject_all(pending, Result(rid, "", FinishReason.ABORT.value, Usage(len(prepared.prompt_ids), 0),
-                                                    source=Source.EDGE, detail="cancelled"))
+    def start(self, pending: Admitting, prepared: Prepared) -> None:
+        msg, rid = pending.msg, pending.msg.request_id
         prompt, params = prepared.prompt_ids, prepared.params
         deadline = None if msg.deadline_ms is None else pending.received + msg.deadline_ms / 1000
-        req = EdgeRequest(msg, self.ledger.open(msg, first), pending.received, prompt, prepared.spec, deadline)
-        for identity in pending.identities[1:]:
-            req.entry.subscribe(identity)
+        req = EdgeRequest(msg, pending.received, prompt, prepared.spec, deadline)
         own_s = self.worker.rate.seconds(len(prompt), params.max_tokens)
         wait_s = self.worker.wait_estimate_s(msg.priority.rank, deadline, own_s)
         req.reason = self.policy.before(msg, len(prompt), wait_s)
         if req.reason is EscalationReason.CONTEXT and (self.cloud is None or msg.escalation.value == "local"):
-            self.ledger.discard(rid)
-            return self._reject_all(pending, Error(
+            raise Refused(Error(
                 ErrorCode.INVALID_REQUEST,
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} does not fit the robot's "
                 f"context of {self.policy.local_context} and "
                 f"{'no cloud is configured' if self.cloud is None else 'the request is forced local'}", rid))
         self.live[rid] = req
-        self.executions.started(rid)
         if req.reason is not EscalationReason.CONTEXT:
             self._start_local(req, params)
         if req.reason is not None:
             self._escalate(req)
 
-    def _reject_all(self, pending: Admitting, reply: Error | Result) -> None:
-        """Answer a request that never ran: its senders, and those who cancelled it meanwhile."""
-        self.counters.rejected += isinstance(reply, Error)
-        for identity in pending.everyone:
-            self._send(identity, reply)
-
-    def _reject(self, identity: bytes, error: Error) -> None:
-        self.counters.rejected += 1
-        self._send(identity, error)
+    def cancelled_before_start(self, request_id: str, prepared: Prepared) -> Result:
+        return Result(request_id, "", FinishReason.ABORT.value, Usage(len(prepared.prompt_ids), 0),
+                      source=Source.EDGE, detail="cancelled")
 
     # --- local ---------------------------------------------------------------------------------
 
@@ -393,7 +285,8 @@ class EdgeServer:
         req.cloud_error = f"cloud {error.code.value}: {error.message}"
         self._settle(req)
 
-    def _check_timers(self) -> None:
+    def work(self) -> None:
+        """The cloud calls past their time: given up, answered locally."""
         now = time.monotonic()
         for req in list(self.live.values()):
             if req.cloud_waiting and req.cloud_give_up is not None and now >= req.cloud_give_up:
@@ -464,32 +357,22 @@ class EdgeServer:
         self._finish(req, result)
 
     def _finish(self, req: EdgeRequest, reply: Result | Error) -> None:
-        rid = req.msg.request_id
-        self.live.pop(rid, None)
-        self.executions.ended(rid, reply.finish_reason if isinstance(reply, Result) else reply.code.value)
-        if isinstance(reply, Result):
-            self.ledger.close(rid, reply, time.monotonic())
-        else:
-            self.ledger.discard(rid)
-        for identity in req.entry.subscribers:
-            self._send(identity, reply)
+        self.live.pop(req.msg.request_id, None)
+        self.front.finish(req.msg.request_id, reply)
 
     def _chunk(self, req: EdgeRequest, tokens: list[int], text: str, source: Source) -> None:
-        chunk = Chunk(req.msg.request_id, req.entry.next_seq, tuple(tokens), text, source)
-        req.entry.chunks.append(chunk)
-        for identity in req.entry.subscribers:
-            self._send(identity, chunk)
+        self.front.emit(req.msg.request_id, tokens, text, source)
 
     # --- cancel, stats ---------------------------------------------------------------------------
 
-    def _on_cancel(self, identity: bytes, msg: Cancel) -> None:
-        if self._preparer.cancel(msg.request_id, identity):  # answered (abort) once it is prepared
-            return
-        reply = self.ledger.cancel(msg.request_id, identity)
-        if reply is not None:
-            self._send(identity, reply)
-        else:
-            self._cancel(self.live[msg.request_id])
+    def cancel(self, request_id: str) -> None:
+        self._cancel(self.live[request_id])
+
+    def cancel_all(self, why: str) -> None:
+        """Cancel every live request and wait (up to a second) for their results."""
+        for req in list(self.live.values()):
+            self._cancel(req)
+        self.mailbox.run(wait_s=1.0, until=lambda: not self.live)
 
     def _cancel(self, req: EdgeRequest) -> None:
         """End ``req`` as cancelled: its local job stops (its result, finish reason ``abort``,
@@ -515,9 +398,10 @@ class EdgeServer:
             "daemon": "edged", **model_stats(self.model.name, self.model), "robot_id": self.config.robot_id,
             "backend": g.backend.name, "quant": g.backend.quant, "products": g.backend.products,
             "max_len": g.backend.max_len,
-            "draining": self._draining, "live": len(self.live), "local_queue": self.worker.depth,
-            "requests": c.requests, "answered_local": c.answered_local, "answered_cloud": c.answered_cloud,
-            "fallbacks": c.fallbacks, "rejected": c.rejected, "escalations": dict(c.escalations),
+            "draining": self.front.draining, "live": len(self.live), "local_queue": self.worker.depth,
+            "requests": self.front.counters.requests, "answered_local": c.answered_local,
+            "answered_cloud": c.answered_cloud, "fallbacks": c.fallbacks, "rejected": self.front.counters.rejected,
+            "escalations": dict(c.escalations),
             "cloud_errors": c.cloud_errors,
             "cloud": None if self.cloud is None else {"endpoint": self.cloud.endpoint,
                                                       "breaker": self.cloud.breaker.state.value},
@@ -529,9 +413,6 @@ class EdgeServer:
             "decode_tok_s": round(self.worker.rate.decode_tok_s, 1),
             "prefill_tok_s": round(self.worker.rate.prefill_tok_s, 1),
         }
-
-    def _send(self, identity: bytes, msg: Message) -> None:
-        send_nowait(self.socket, identity, encode(msg))
 
 
 def _plan(text: str, spec: GrammarSpec | None):

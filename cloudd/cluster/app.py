@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-import threading
 
 from cloudd.cluster.config import ClusterConfig
 from cloudd.cluster.ray_runtime import import_ray, start_ray, stop_ray
@@ -59,40 +58,32 @@ def deploy(cluster: ClusterConfig, serve_args: dict, app_name: str = APP_NAME):
 
 def serve_cluster(cluster: ClusterConfig, serve_args: dict, model_path, ports: dict[str, int | None],
                   serve_config) -> int:
-    """``serve_config``: cloudd's ``[serve]`` table (the front's ports and HTTP limits)."""
-    from cloudd.cluster.front import ClusterFront, FrontConfig
-    from cloudd.http_api import ApiContext, make_http_server
+    """``serve_config``: cloudd's ``[serve]`` table: the front's ports, keys, quotas and limits,
+    as ``cloudd serve`` takes them (the front is the same request front)."""
+    from cloudd.cluster.front import ClusterFront
+    from cloudd.http_api import start_http_api
     from cloudd.metrics import ServerMetrics
     from shared.model.checkpoint import load_tokenizer
-    from shared.transport.client import FleetClient
 
     serve_config = dataclasses.replace(serve_config, **{k: v for k, v in ports.items() if v is not None})
-    if serve_config.curve_secret_key or serve_config.http_api_keys:
-        raise ValueError("cloudd cluster serves loopback only for now: CURVE keys and HTTP API keys are "
-                         "not supported on its front")
     tokenizer = load_tokenizer(model_path)
     started_here = start_ray(cluster)
     try:
         handle = deploy(cluster, serve_args)
-        front = ClusterFront(handle, APP_NAME, FrontConfig(serve_config.zmq_host, serve_config.zmq_port,
-                                                            serve_config.result_ttl_s, cluster.resume_retries),
-                             model_name=model_path.stem)
-        client = FleetClient(front.endpoint)
-        http = make_http_server(serve_config.http_host, serve_config.http_port,
-                                ApiContext(client, tokenizer, ServerMetrics(serve_config.max_robot_labels),
-                                           model_path.stem),
-                                timeout_s=serve_config.http_timeout_s, max_connections=serve_config.http_max_connections)
-        threading.Thread(target=http.serve_forever, name="http", daemon=True).start()
+        front = ClusterFront(handle, APP_NAME, dataclasses.replace(serve_config.front(), daemon="cloudd cluster"),
+                             cluster.resume_retries, model_name=model_path.stem)
+        http = start_http_api(serve_config, front, tokenizer, ServerMetrics(serve_config.max_robot_labels),
+                              model_path.stem)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: front.stop())
-        host, port = http.server_address[:2]
+        signal.signal(signal.SIGHUP, lambda *_: (front.reload_keys(), http.reload_keys()))
+        host, port = http.server.server_address[:2]
         print(f"cloudd cluster ready: zmq={front.endpoint} http=http://{host}:{port} replicas={cluster.replicas} "
               f"router={cluster.router} ray={'local' if started_here else cluster.address}", flush=True)
         try:
-            front.serve_forever(serve_config.shutdown_grace_s)
+            front.serve_forever()
         finally:
-            http.shutdown()
-            client.close()
+            http.close()
     finally:
         stop_ray(started_here)
     print("cloudd cluster: stopped", flush=True)

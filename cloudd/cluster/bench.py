@@ -17,7 +17,8 @@ from pathlib import Path
 
 from cloudd.cluster.app import deploy
 from cloudd.cluster.config import ClusterConfig
-from cloudd.cluster.front import ClusterFront, FrontConfig
+from cloudd.cluster.front import ClusterFront
+from cloudd.server import ServeConfig
 from cloudd.cluster.ray_runtime import import_ray, start_ray, stop_ray
 from cloudd.serve_bench import Log, ServeBenchOptions, format_serve_run, load_requests, report, run_one
 
@@ -65,7 +66,7 @@ def _one_run(cluster: ClusterConfig, opts: ClusterBenchOptions, requests, log: L
     log(f"{name}: starting")
     app_name = f"bench-{cluster.replicas}-{cluster.router}"  # NOTE: Ray keeps a process's router per application
     handle = deploy(cluster, opts.serve_args, app_name)
-    front = ClusterFront(handle, app_name, FrontConfig(zmq_port=0), model_name="bench")
+    front = ClusterFront(handle, app_name, ServeConfig(zmq_port=0).front(), cluster.resume_retries, model_name="bench")
     thread = threading.Thread(target=front.serve_forever, name="cluster-front", daemon=True)
     thread.start()
     try:

@@ -36,24 +36,29 @@ class Mailbox:
         except (BlockingIOError, OSError):  # a wake-up is pending already (or the mailbox is closed)
             pass
 
-    def run(self, wait_s: float = 0.0, until: Callable[[], bool] = lambda: False) -> None:
+    def run(self, wait_s: float = 0.0, until: Callable[[], bool] = lambda: False, limit: int | None = None) -> None:
         """Loop thread: run the events waiting; with ``wait_s``, keep waiting for more that long,
-        or until ``until()`` holds after an event."""
+        or until ``until()`` holds after an event. At most ``limit`` events (None: no limit): the
+        rest wait for the next call, and ``fd`` stays readable for them (a flood of posts cannot
+        keep the loop here)."""
         try:
             while os.read(self._read, 4096):
                 pass
         except BlockingIOError:
             pass
         ends = time.monotonic() + wait_s
-        while True:
+        ran = 0
+        while limit is None or ran < limit:
             try:
                 left = ends - time.monotonic()
                 event = self._events.get(timeout=left) if left > 0 else self._events.get_nowait()
             except queue.Empty:
                 return
             event()
+            ran += 1
             if until():
                 ends = 0.0
+        self.wake()
 
     def close(self) -> None:
         os.close(self._read)

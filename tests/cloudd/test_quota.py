@@ -1,4 +1,4 @@
-"""Per-robot token buckets (cloudd.quota) on a hand-driven clock."""
+"""Per-robot token buckets (shared.transport.quota) on a hand-driven clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cloudd.quota import QuotaConfig, RobotQuotas, TokenBucket
+from shared.transport.quota import QuotaConfig, RobotQuotas, TokenBucket
 
 
 class Clock:

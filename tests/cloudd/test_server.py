@@ -517,7 +517,7 @@ def test_while_a_large_prompt_is_prepared_small_ones_run_and_a_retry_joins_it():
         retry.send(gen("prep-slow", max_tokens=3, prompt=SLOW_PROMPT))  # joins the one being prepared
         fast.send(gen("prep-fast", max_tokens=3))
         _, fast_result = fast.until_result()
-        assert isinstance(fast_result, Result) and "prep-slow" in srv._preparer.pending  # done meanwhile
+        assert isinstance(fast_result, Result) and "prep-slow" in srv.front.preparer.pending  # done meanwhile
         (_, a), (_, b) = slow.until_result(), retry.until_result()
         assert isinstance(a, Result) and a == b and list(a.token_ids) == greedy_reference(MODEL, list(SLOW_PROMPT), 3)
         assert srv.snapshot()["totals"]["requests"] == 2

@@ -1,5 +1,5 @@
 """Per-robot rate limits: requests per second and generated tokens per minute, each a token
-bucket per robot. (cloudd's front also keeps one of frames per sender with the same buckets:
+bucket per robot. (A daemon's front also keeps one of frames per sender with the same buckets:
 a "robot" there is a CURVE key or a connection, a "request" any frame.)
 
 A request is charged on arrival (a retry of a request already in the ledger is not): one from
