@@ -499,7 +499,7 @@ class Engine:
         rather than wait forever. Never while the tiers hold blocks it could get by waiting."""
         if self.scheduler.running or self._tiers_busy or not self.scheduler.waiting:
             return []
-        if any(r.tier_handle is not None for r in self.scheduler.waiting):
+        if any(r.cache.tier_handle is not None for r in self.scheduler.waiting):
             for r in self.scheduler.waiting:  # their loaded prefixes stay in the tiers
                 self.scheduler.kv.release_waiting(r)
             return []  # the next step schedules with those blocks evictable

@@ -21,6 +21,9 @@ from shared.protocol.messages import Priority, Sampling
 if TYPE_CHECKING:
     from shared.engine.grammar.matcher import GrammarState
     from shared.engine.grammar.repeat_guard import StepRepeatGuard
+    from shared.engine.kv.hicache import LoadTicket
+    from shared.engine.kv.prefix_cache import PrefixHandle
+    from shared.engine.kv.radix import TreeNode
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,6 +56,21 @@ def stop_reason(sampling: SamplingParams | Sampling, token: int | None, eos_toke
         return FinishReason.LENGTH
     return None
 
+
+@dataclass(slots=True)
+class RequestCacheState:
+    """A request's holds on the prefix index and the KV tiers. Written only by the KV manager
+    (``kv/manager.py``: the locks and the load) and HiCache (``kv/hicache.py``: the page
+    bookkeeping); the scheduler reads it to tell loading and loaded requests apart."""
+
+    prefix_handle: PrefixHandle | None = None  # locked prefix-cache entry while running
+    page_hashes: list[bytes] = field(default_factory=list)  # keys of its first full pages, a cache
+    num_backed_pages: int = 0  # write-through: pages already handed to the tiers
+    tier_load: LoadTicket | None = None  # its load in flight while WAITING_FOR_TIER_LOAD
+    tier_handle: TreeNode | None = None  # locked radix node of loaded KV, until admitted
+    num_tier_loaded_tokens: int = 0  # of its next admission's match, tokens loaded from the tiers
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One generation. Identity-hashed so it can sit in sets; owned by the scheduler."""
@@ -73,7 +91,6 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
-    cache_handle: object | None = None  # locked prefix-cache entry while running
     scheduled_time: float | None = None  # first admitted (its queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -82,16 +99,16 @@ class Request:
     grammar: GrammarState | None = None  # constrains every sampled token once compiled
     draft_token_ids: list[int] = field(default_factory=list)  # jump-forward: forced next tokens
     num_forced_tokens: int = 0  # output tokens that came from accepted drafts (no step of their own)
-    # HiCache (kv/hicache.py):
-    page_hashes: list[bytes] = field(default_factory=list)  # keys of its first full pages, a cache
-    num_backed_pages: int = 0  # write-through: pages already handed to the tiers
-    tier_load: object | None = None  # its LoadTicket while WAITING_FOR_TIER_LOAD
-    tier_handle: object | None = None  # locked radix node of loaded KV, until admitted
-    num_tier_loaded_tokens: int = 0  # of its next admission's match, tokens loaded from the tiers
+    cache: RequestCacheState = field(default_factory=RequestCacheState)  # prefix index and tiers
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must have at least one token")
+
+    @property
+    def page_hashes(self) -> list[bytes]:
+        """``cache.page_hashes``: the keys of its first full pages (as far as computed yet)."""
+        return self.cache.page_hashes
 
     @property
     def all_token_ids(self) -> list[int]:

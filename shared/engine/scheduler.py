@@ -128,7 +128,7 @@ class Scheduler:
             self.kv.release_waiting(req)
         elif req in self.loading:
             del self.loading[req]
-            req.tier_load.cancelled = True  # its blocks go back when the copy is done
+            req.cache.tier_load.cancelled = True  # its blocks go back when the copy is done
         elif req in self.awaiting_grammar:
             del self.awaiting_grammar[req]
         elif req.status == RequestStatus.RUNNING:
@@ -313,7 +313,7 @@ class Scheduler:
                 return  # no memory for its load: later requests must not overtake it
             if loading:
                 continue
-            if req.tier_handle is not None:  # a layer-by-layer load just cached its prefix
+            if req.cache.tier_handle is not None:  # a layer-by-layer load just cached its prefix
                 match = self.kv.match(req)
             n = self._try_start(req, match, budget, out)
             if n is None and self._release_loaded(req):
@@ -327,7 +327,7 @@ class Scheduler:
         """``head`` found no memory: drop the locks that the other waiting requests hold on
         their loaded prefixes (their pages stay in the tiers; they can load again). A loaded
         request behind the head must not starve it. True if any lock was dropped."""
-        held = [r for r in self.waiting if r.tier_handle is not None and r is not head]
+        held = [r for r in self.waiting if r.cache.tier_handle is not None and r is not head]
         for r in held:
             self.kv.release_waiting(r)
         return bool(held)
@@ -340,20 +340,20 @@ class Scheduler:
         is always allowed, so a deferred request never waits on nothing. A layer-by-layer load
         (`HiCache.start_load`) caches its prefix at once and returns False: start now."""
         tiers = self.kv.tiers
-        if tiers is None or req.tier_handle is not None:
+        if tiers is None or req.cache.tier_handle is not None:
             return False
         hit = self.kv.find_in_tiers(req, match)
         if hit is None:
             return False
-        loaded = [r for r in self.waiting if r.tier_handle is not None]
-        held = sum(len(r.tier_load.blocks) for r in self.loading) + sum(
-            -(-r.num_tier_loaded_tokens // self.kv.block_size) for r in loaded)
+        loaded = [r for r in self.waiting if r.cache.tier_handle is not None]
+        held = sum(len(r.cache.tier_load.blocks) for r in self.loading) + sum(
+            -(-r.cache.num_tier_loaded_tokens // self.kv.block_size) for r in loaded)
         if held and (len(self.loading) + len(loaded) >= MAX_TIER_LOADS
                      or held + len(hit.tiers) > self.kv.pool.num_blocks * MAX_TIER_LOAD_FRAC):
             return True  # wait for a load slot: the loads in flight finish and are admitted first
         if not self.kv.start_load(req, match, hit):
             return None
-        if req.tier_load is None:  # layer by layer: its blocks are readable now
+        if req.cache.tier_load is None:  # layer by layer: its blocks are readable now
             return False
         del self.waiting[req]
         self.loading[req] = None

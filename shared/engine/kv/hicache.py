@@ -126,9 +126,9 @@ class HiCache:
 
     def hashes(self, req: Request, num_pages: int) -> list[PageHash]:
         """The keys of ``req``'s first ``num_pages`` pages (cached on the request)."""
-        if len(req.page_hashes) < num_pages:
-            extend_page_hashes(req.page_hashes, req.token_ids_between, num_pages, self.page_size)
-        return req.page_hashes[:num_pages]
+        if len(req.cache.page_hashes) < num_pages:
+            extend_page_hashes(req.cache.page_hashes, req.token_ids_between, num_pages, self.page_size)
+        return req.cache.page_hashes[:num_pages]
 
     def where(self, page_hash: PageHash) -> Tier | None:
         if page_hash in self.host:
@@ -270,7 +270,7 @@ class HiCache:
         for i in range(op.num_ok):
             gained = self.page_size - (hit.device_tokens % self.page_size if i == 0 else 0)
             self.stats.hit_tokens["disk" if op.from_disk[i] else "host"] += gained
-        ticket.request.num_tier_loaded_tokens += ticket.num_ok_tokens - hit.device_tokens
+        ticket.request.cache.num_tier_loaded_tokens += ticket.num_ok_tokens - hit.device_tokens
 
     # --- writes ----------------------------------------------------------------------------
 
@@ -278,8 +278,8 @@ class HiCache:
         """Count the admission's device hits; under write_through_selective, back up the
         matched pages that reached the hit threshold. Call after `admit` set the block table."""
         if req.num_preemptions == 0:
-            self.stats.hit_tokens["device"] += max(match_tokens - req.num_tier_loaded_tokens, 0)
-        req.num_tier_loaded_tokens = 0
+            self.stats.hit_tokens["device"] += max(match_tokens - req.cache.num_tier_loaded_tokens, 0)
+        req.cache.num_tier_loaded_tokens = 0
         if self.config.write_policy != "write_through_selective":
             return
         due = []
@@ -297,8 +297,8 @@ class HiCache:
         if self.config.write_policy != "write_through":
             return
         num_pages = req.num_computed_tokens // self.page_size
-        first = req.num_backed_pages
-        req.num_backed_pages = max(first, num_pages)
+        first = req.cache.num_backed_pages
+        req.cache.num_backed_pages = max(first, num_pages)
         self._back_up(req, range(first, num_pages))
 
     def _back_up(self, req: Request, page_ids) -> None:

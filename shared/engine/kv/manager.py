@@ -40,7 +40,7 @@ class KVCacheManager:
     """Owns every request's pool refs and its lock on the prefix index.
 
     Contract: a request holds one pool ref per block in ``block_table`` and one lock on
-    ``cache_handle`` from ``admit`` until ``free``; nothing else changes those fields. Each
+    ``cache.prefix_handle`` from ``admit`` until ``free``; nothing else changes those fields. Each
     ``admit`` gives the request a new ``block_table`` list, which is then only appended to (``free``
     replaces it with an empty one): the scheduler hands the list itself to the runner, which
     copies only a table's new blocks each step (``shared.engine.block_table_rows``).
@@ -65,10 +65,10 @@ class KVCacheManager:
         """Give ``req`` the matched prefix plus room for ``num_new_tokens`` more.
 
         On success sets ``block_table``, ``num_computed_tokens`` (= the match) and
-        ``cache_handle`` (locked) and returns the copies the runner must do first. Returns None
+        ``cache.prefix_handle`` (locked) and returns the copies the runner must do first. Returns None
         and changes nothing when the pool cannot supply the blocks even after eviction.
         """
-        assert not req.block_table and req.cache_handle is None
+        assert not req.block_table and req.cache.prefix_handle is None
         bs = self.block_size
         m = match.num_tokens
         shared = {k: match.slots[(k + 1) * bs - 1] // bs for k in range(m // bs)}
@@ -83,8 +83,8 @@ class KVCacheManager:
         copies = [self._copy_into(table[m // bs], m // bs, match)] if m % bs else []
         req.block_table = table
         req.num_computed_tokens = req.num_cached_tokens = m
-        req.cache_handle = match.handle
-        req.num_backed_pages = 0
+        req.cache.prefix_handle = match.handle
+        req.cache.num_backed_pages = 0
         if self.tiers is not None:
             self.tiers.on_admit(req, m)
         return copies
@@ -106,20 +106,20 @@ class KVCacheManager:
             return
         handle = self.index.insert(req.token_ids_between(0, n), slot_ids(req.block_table, 0, n, self.block_size))
         self.index.lock(handle)
-        if req.cache_handle is not None:
-            self.index.unlock(req.cache_handle)
-        req.cache_handle = handle
+        if req.cache.prefix_handle is not None:
+            self.index.unlock(req.cache.prefix_handle)
+        req.cache.prefix_handle = handle
         if self.tiers is not None:
             self.tiers.on_cached(req)
 
     def free(self, req: Request) -> None:
         """Cache what ``req`` computed, then drop its lock and block refs (finish, abort, preempt)."""
         self.cache(req)
-        if req.cache_handle is not None:
-            self.index.unlock(req.cache_handle)
+        if req.cache.prefix_handle is not None:
+            self.index.unlock(req.cache.prefix_handle)
         self.pool.decref(req.block_table)
         req.block_table = []
-        req.cache_handle = None
+        req.cache.prefix_handle = None
 
     # --- HiCache loads ----------------------------------------------------------------------
 
@@ -132,11 +132,11 @@ class KVCacheManager:
 
     def start_load(self, req: Request, match: PrefixMatch, hit: TierHit) -> bool:
         """Lock ``match`` (and ``hit``'s tree nodes) and queue the copy of ``hit``'s pages into
-        fresh blocks; the request holds them in ``req.tier_load`` until `end_load`. False
+        fresh blocks; the request holds them in ``req.cache.tier_load`` until `end_load`. False
         (nothing changed) when the pool cannot supply the blocks even after eviction."""
         from shared.engine.kv.hicache import LoadTicket
 
-        assert self.tiers is not None and req.tier_load is None and req.tier_handle is None
+        assert self.tiers is not None and req.cache.tier_load is None and req.cache.tier_handle is None
         if hit.handle is not None:
             self.index.lock_lower(hit.handle)  # first: the eviction below may move pages
         match = self._lock_with_room(req, match, len(hit.tiers))
@@ -145,10 +145,10 @@ class KVCacheManager:
                 self.index.unlock_lower(hit.handle)
             return False
         ticket = LoadTicket(req, match, hit, self.pool.allocate(len(hit.tiers)))
-        req.tier_load = ticket
+        req.cache.tier_load = ticket
         self.tiers.start_load(ticket)
         if ticket.layerwise:  # readable now (readers wait per layer): cache it, the request may start
-            req.tier_load = None
+            req.cache.tier_load = None
             self._cache_loaded(ticket)
         return True
 
@@ -156,7 +156,7 @@ class KVCacheManager:
         """A load finished: cache what landed in the index (unless a layer-by-layer load did
         at its start) and drop the ticket's own refs and locks."""
         if not ticket.layerwise:
-            ticket.request.tier_load = None
+            ticket.request.cache.tier_load = None
             if not ticket.cancelled:
                 self._cache_loaded(ticket)
         if ticket.hit.handle is not None:
@@ -166,7 +166,7 @@ class KVCacheManager:
 
     def _cache_loaded(self, ticket: LoadTicket) -> None:
         """Insert the loaded tokens in the index (the tree's slot-less nodes take the loaded
-        blocks as their slots) and keep them locked for the request (``req.tier_handle``)
+        blocks as their slots) and keep them locked for the request (``req.cache.tier_handle``)
         until `admit`.
 
         # | device match (tree's slots) | loaded pages (the ticket's blocks) |
@@ -179,13 +179,13 @@ class KVCacheManager:
             new = [ticket.blocks[p // bs - first] * bs + p % bs for p in range(match.num_tokens, end)]
             handle = self.index.insert(req.token_ids_between(0, end), list(match.slots) + new)
             self.index.lock(handle)
-            req.tier_handle = handle
+            req.cache.tier_handle = handle
 
     def release_waiting(self, req: Request) -> None:
         """Drop the lock a waiting request holds on its loaded prefix (admitted or ended)."""
-        if req.tier_handle is not None:
-            self.index.unlock(req.tier_handle)
-            req.tier_handle = None
+        if req.cache.tier_handle is not None:
+            self.index.unlock(req.cache.tier_handle)
+            req.cache.tier_handle = None
 
     def prefetch(self, req: Request) -> None:
         if self.tiers is not None:

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
+
+# An index's entry, opaque to its callers (a `RadixTree`'s node, a `HashedBlockIndex`'s block
+# tuple): pass it back to lock()/unlock().
+PrefixHandle: TypeAlias = object
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
     num_tokens: int  # tokens matched from the start of the query
     slots: tuple[int, ...]  # KV slot of each matched token; len == num_tokens
-    handle: object  # opaque; pass to lock()/unlock()
+    handle: PrefixHandle
 
 
 class PrefixCache(Protocol):
@@ -40,13 +44,13 @@ class PrefixCache(Protocol):
         """
         ...
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: PrefixHandle) -> None:
         """Protect the entries behind `handle` from eviction until `unlock(handle)`."""
         ...
 
-    def unlock(self, handle: object) -> None: ...
+    def unlock(self, handle: PrefixHandle) -> None: ...
 
-    def insert(self, token_ids: Sequence[int], slots: Sequence[int]) -> object:
+    def insert(self, token_ids: Sequence[int], slots: Sequence[int]) -> PrefixHandle:
         """Cache `token_ids`, whose KV sits at `slots` (one per token, block-aligned).
 
         Entries already cached keep their slots; the caller's duplicates are not referenced.
