@@ -14,13 +14,12 @@ import logging
 import math
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
+from shared.engine.delivery import Delivery, TokenDelta
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.compiler import GrammarCompiler
@@ -37,14 +36,17 @@ from shared.engine.kv.manager import KVCacheManager
 from shared.engine.kv.prefix_cache import PrefixCache
 from shared.engine.kv.radix import RadixTree
 from shared.engine.kv.tier_stats import TierStats
+from shared.engine.jump_forward import forced_draft
 from shared.engine.policy import FCFS, SchedulingPolicy
-from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.request import FinishReason, Request
 from shared.engine.runner import ModelRunner
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_step import Pick, SamplingStep
 from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import SchedulerOutput
-from shared.engine.step_profile import StepProfile, maybe_phase
+from shared.engine.step_batch import StepBatch
+from shared.engine.step_profile import StepProfile, timed_phase
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.llama import LlamaModel
 from shared.model.tokenizer import Tokenizer
@@ -52,8 +54,6 @@ from shared.model.weight_cache import load_model
 from shared.protocol.messages import Priority
 
 Messages = Sequence[Mapping[str, str]]
-Pick = tuple[int, float]  # a sampled token and its logprob
-MAX_DRAFT_TOKENS = 32  # jump-forward tokens verified in one step, at most
 # A text prompt longer than this many characters per token of max_model_len cannot fit whatever
 # the tokenizer: it is refused before tokenizing (which would hold the engine's thread).
 MAX_CHARS_PER_TOKEN = 32
@@ -71,21 +71,6 @@ class PreparedPrompt:
 
     token_ids: list[int]
     spec: GrammarSpec | None
-
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """What one request produced in one step (or its end)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -181,14 +166,13 @@ class Engine:
             clock,
         )
         self.sampler = Sampler()
+        self.sampling = SamplingStep(self.sampler, MaskBatch(model.config.vocab_size), self.scheduler)
+        self.delivery = Delivery(self.scheduler, clock, self.sampler.forget)
+        # NOTE: the delivery's own containers, named as the tests read them
+        self._detok, self._pending, self._live = self.delivery.detokenizers, self.delivery.pending, self.delivery.live
         self._grammar: GrammarCompiler | None = None  # built on first use (0.2 s)
         self._grammar_lock = threading.Lock()  # prepare() may build it on a daemon's preparing thread
-        self._masks = MaskBatch(model.config.vocab_size)
         self._seq = itertools.count()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._pending: dict[str, list[TokenDelta]] = defaultdict(list)
-        self._live: set[str] = set()  # submitted, and not yet fully delivered
-        self._buffered: set[str] = set()  # live ids whose deltas wait for stream/drain
         self.num_steps = 0
         self.profile: StepProfile | None = None
 
@@ -246,7 +230,7 @@ class Engine:
         tokens and text that follow them. One whose resumed output already ended it (a stop
         token, ``max_tokens``) ends at the next step without computing anything."""
         rid = request_id if request_id is not None else f"req-{next(self._seq)}"
-        if rid in self._live:
+        if rid in self.delivery.live:
             raise ValueError(f"request id {rid!r} is already in use")
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
@@ -279,12 +263,10 @@ class Engine:
             req.grammar_pending = self.grammar_compiler.compile_async(spec)
             req.repeat_guard = self.grammar_compiler.repeat_guard(spec)
         self.scheduler.add(req)
-        if self.tokenizer is not None:
-            self._detok[rid] = detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, sampling.stop) if self.tokenizer is not None else None
+        if detok is not None:
             detok.push(resume_token_ids)  # their text was delivered by the earlier execution
-        self._live.add(rid)
-        if buffered:
-            self._buffered.add(rid)
+        self.delivery.open(rid, detok, buffered)
         return rid
 
     def abort(self, request_id: str) -> TokenDelta | None:
@@ -295,7 +277,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.finish(req, FinishReason.ABORT)
-        return self._deliver(req, [], FinishReason.ABORT)
+        return self.delivery.deliver(req, [], FinishReason.ABORT)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -307,60 +289,62 @@ class Engine:
     # --- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
-        """Schedule, run the model once, sample, apply stop rules. Returns this step's deltas
-        (buffered requests' deltas are also kept for ``stream``/``drain``).
+        """Schedule, run the model once, sample, update the requests, deliver. Returns this
+        step's deltas (buffered requests' deltas are also kept for ``stream``/``drain``).
 
         A failure serving one request (its grammar's mask or next state, its sampling, its
         drafts, its detokenizing) ends that request alone with finish reason ``error``, the
         exception logged; a forward pass that raises ends the requests of its step the same way
         and leaves the queue to the next step. Only a failure in the scheduler itself raises."""
-        profile = self.profile
-        with maybe_phase(profile, "schedule"):
-            self.scheduler.admit_loaded()
-            ended = self.scheduler.expire() + self.scheduler.admit_compiled()
-            deltas = [self._deliver(f.request, [], f.reason) for f in ended]
-            out = self.scheduler.schedule()
+        deltas, out = self._schedule()
         if out.is_empty:
             return deltas + self._idle(out)
+        batch = StepBatch.of(out, self.scheduler.requests)
         started = self.clock()
-        sampled_chunks = [c for c in out.chunks if c.sample]
-        reqs = [self.scheduler.requests[c.request_id] for c in sampled_chunks]
-        greedy = all(c.num_logits == 1 and r.grammar is None and r.sampling.greedy and not r.sampling.logprobs
-                     for c, r in zip(sampled_chunks, reqs, strict=True))
         try:  # NOTE: an all-greedy step never builds its logits (kernels.greedy_head)
-            result = self.runner.execute_greedy(out) if greedy else self.runner.execute(out)
+            result = self.runner.execute_greedy(out) if batch.greedy else self.runner.execute(out)
         except Exception:
             log.exception("the forward pass failed: ending the %d requests of its step", len(out.chunks))
             return deltas + self._fail_step(out)
-        with maybe_phase(profile, "sampling"):
-            picks = [[(token, 0.0)] for token in result] if greedy else self._sample(result, sampled_chunks, reqs)
-        with maybe_phase(profile, "update"):
-            now = self.clock()
-            self.scheduler.rate.observe(out.num_tokens, now - started)
-            before = []
-            for req in reqs:
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                before.append(req.num_output_tokens)
-            finished = {f.request.request_id: f.reason for f in self.scheduler.update(
-                out, {r.request_id: p for r, p in zip(reqs, picks, strict=True) if p is not None})}
-            finished.update((r.request_id, FinishReason.ERROR) for r, p in zip(reqs, picks, strict=True) if p is None)
-            self.num_steps += 1
-            for req in reqs:
+        picks = self.sampling.pick(result, batch)
+        finished = self._update(batch, picks, started)
+        deltas += self.delivery.deliver_step(batch, finished)
+        if self.profile is not None:
+            self.profile.steps += 1
+        return deltas
+
+    @timed_phase("schedule")
+    def _schedule(self) -> tuple[list[TokenDelta], SchedulerOutput]:
+        """Collect finished tier loads, end the expired requests and admit the compiled ones,
+        then schedule the step: the deltas of the requests that ended, and the step's work."""
+        self.scheduler.admit_loaded()
+        ended = self.scheduler.expire() + self.scheduler.admit_compiled()
+        deltas = [self.delivery.deliver(f.request, [], f.reason) for f in ended]
+        return deltas, self.scheduler.schedule()
+
+    @timed_phase("update")
+    def _update(self, batch: StepBatch, picks: list[list[Pick] | None], started: float) -> dict[str, FinishReason]:
+        """Count the step (its cost into the service rate), hand the picks to the scheduler
+        (which appends them and ends requests by their stop rules), then draft the jump-forward
+        tokens of those that go on. Returns why each request of ``batch`` that ended now ended:
+        a stop rule, or ``error`` (its picking or drafting failed)."""
+        now = self.clock()
+        self.scheduler.rate.observe(batch.out.num_tokens, now - started)
+        for req in batch.requests:
+            if req.first_token_time is None:
+                req.first_token_time = now
+        sampled = {r.request_id: p for r, p in zip(batch.requests, picks, strict=True) if p is not None}
+        finished = {f.request.request_id: f.reason for f in self.scheduler.update(batch.out, sampled)}
+        finished.update((r.request_id, FinishReason.ERROR) for r in batch.requests if r.request_id not in sampled)
+        self.num_steps += 1
+        if self.config.jump_forward and self.tokenizer is not None:
+            for req in batch.requests:
                 if req.request_id not in finished:
                     try:
-                        self._draft(req)
+                        req.draft_token_ids = forced_draft(req, self.tokenizer, self.scheduler.config.max_model_len)
                     except Exception:
-                        finished[req.request_id] = self._fail(req)
-        with maybe_phase(profile, "detokenize"):
-            deltas += [
-                self._deliver(req, req.output_token_ids[n:], finished.get(req.request_id),
-                              req.output_logprobs[n:] if req.sampling.logprobs else [])
-                for req, n in zip(reqs, before, strict=True)
-            ]
-        if profile is not None:
-            profile.steps += 1
-        return deltas
+                        finished[req.request_id] = self.scheduler.fail(req)
+        return finished
 
     def _idle(self, out: SchedulerOutput) -> list[TokenDelta]:
         """A step with nothing to compute: wait briefly for a tier load or a grammar, else
@@ -387,95 +371,15 @@ class Engine:
 
     def enable_profile(self) -> StepProfile:
         """Time every later step's phases and count the model's FLOPs (see ``step_profile``)."""
-        self.profile = self.runner.profile = StepProfile()
+        self.profile = self.runner.profile = self.sampling.profile = self.delivery.profile = StepProfile()
         return self.profile
-
-    def _sample(self, logits: torch.Tensor, chunks: list, reqs: list[Request]) -> list[list[Pick] | None]:
-        """The tokens each sampled chunk yields: the one after its newest token, then, while
-        each sampled token equals the chunk's next draft, the one after that draft (from the
-        logits computed with it). Grammar masks apply to every row sampled; unconstrained rows
-        are untouched. Each token is exactly what token-by-token decoding would sample.
-        None for a request whose sampling failed (it has ended, ``error``): when the batch's
-        sampling raises, each row is sampled alone so that only the one at fault ends."""
-        starts = list(itertools.accumulate((c.num_logits for c in chunks), initial=0))[:-1]
-        try:
-            firsts: list[Pick | None] = self._sample_firsts(logits, starts, reqs)
-        except Exception:
-            log.exception("sampling a step failed: sampling its %d rows one by one", len(reqs))
-            firsts = [self._sample_alone(logits, start, req) for req, start in zip(reqs, starts, strict=True)]
-        picks: list[list[Pick] | None] = []
-        for chunk, req, start, first in zip(chunks, reqs, starts, firsts, strict=True):
-            try:  # NOTE: a try per row costs nothing until one raises; a call per row would
-                picks.append(None if first is None else self._sample_drafts(logits, chunk, req, start, first))
-            except Exception:
-                self._fail(req)
-                picks.append(None)
-        return picks
-
-    def _sample_alone(self, logits: torch.Tensor, start: int, req: Request) -> Pick | None:
-        try:
-            return self._sample_firsts(logits, [start], [req])[0]
-        except Exception:
-            self._fail(req)
-            return None
-
-    def _sample_firsts(self, logits: torch.Tensor, starts: list[int], reqs: list[Request]) -> list[Pick]:
-        """Each request's token after its newest one (row ``starts[i]``), masked by its grammar;
-        changes no request's state (a failing batch can be sampled again row by row)."""
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if constrained:
-            self._masks.apply(logits, [starts[i] for i in constrained], [reqs[i].grammar for i in constrained])
-        # NOTE: without drafts every row is a first row: no copy (advanced indexing of a
-        # [256, vocab] tensor costs more than the argmax over it)
-        firsts_logits = logits if len(starts) == logits.shape[0] else logits.index_select(0, torch.tensor(starts))
-        return self.sampler.sample(firsts_logits, [r.request_id for r in reqs], [r.sampling for r in reqs])
-
-    def _sample_drafts(self, logits: torch.Tensor, chunk, req: Request, start: int, first: Pick) -> list[Pick]:
-        """``first`` accepted by the grammar, then the picks after each draft it confirms."""
-        tokens = [first]
-        self._accept(req, first[0])
-        drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
-        for j, draft in enumerate(drafts):
-            if tokens[-1][0] != draft or (req.grammar is not None and req.grammar.finished):
-                break
-            row = start + 1 + j
-            if req.grammar is not None:
-                self._masks.apply(logits, [row], [req.grammar])
-            (pick,) = self.sampler.sample(logits[row : row + 1], [req.request_id], [req.sampling])
-            tokens.append(pick)
-            self._accept(req, pick[0])
-        return tokens
-
-    def _fail(self, req: Request) -> FinishReason:
-        """In an ``except`` block: log the exception serving ``req`` and end ``req`` alone
-        (finish reason ``error``, its KV released; the other requests go on)."""
-        log.exception("serving request %s failed: it ends with an error, the others go on", req.request_id)
-        if req.status is not RequestStatus.FINISHED:
-            self.scheduler.finish(req, FinishReason.ERROR)
-        return FinishReason.ERROR
 
     def _fail_step(self, out: SchedulerOutput) -> list[TokenDelta]:
         """End every request of a step whose forward pass failed (``error``)."""
         reqs = [self.scheduler.requests[rid] for rid in dict.fromkeys(c.request_id for c in out.chunks)]
         for req in reqs:
             self.scheduler.finish(req, FinishReason.ERROR)
-        return [self._deliver(req, [], FinishReason.ERROR) for req in reqs]
-
-    @staticmethod
-    def _accept(req: Request, token: int) -> None:
-        if req.grammar is not None and not req.grammar.accept(token):
-            log.warning("grammar of %s refused its own sampled token %d", req.request_id, token)
-
-    def _draft(self, req: Request) -> None:
-        """Jump-forward: when the grammar forces text next, draft its tokens for the next step."""
-        if not self.config.jump_forward or req.grammar is None or req.grammar.finished or self.tokenizer is None:
-            return
-        text = req.grammar.forced_text()
-        if not text:
-            return
-        room = min(MAX_DRAFT_TOKENS, req.sampling.max_tokens - req.num_output_tokens - 1,
-                   self.scheduler.config.max_model_len - req.num_tokens - 1)
-        req.draft_token_ids = self.tokenizer.encode(text)[: max(room, 0)]
+        return [self.delivery.deliver(req, [], FinishReason.ERROR) for req in reqs]
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -506,7 +410,7 @@ class Engine:
         now = self.clock()
         head = min(self.scheduler.waiting, key=lambda r: self.scheduler.policy.key(r, now))
         self.scheduler.finish(head, FinishReason.LENGTH)
-        return [self._deliver(head, [], FinishReason.LENGTH)]
+        return [self.delivery.deliver(head, [], FinishReason.LENGTH)]
 
     @property
     def _tiers_busy(self) -> bool:
@@ -516,13 +420,13 @@ class Engine:
     def stream(self, request_id: str) -> Iterator[TokenDelta]:
         """Yield ``request_id``'s deltas as they are produced, stepping the engine as needed.
         Raises KeyError at once for an id that is not live and buffered."""
-        if request_id not in self._buffered:
+        if request_id not in self.delivery.buffered:
             raise KeyError(f"unknown or unbuffered request id {request_id!r}")
         return self._stream(request_id)
 
     def _stream(self, request_id: str) -> Iterator[TokenDelta]:
         while True:
-            for delta in self._take(request_id):
+            for delta in self.delivery.take(request_id):
                 yield delta
                 if delta.finished:
                     return
@@ -530,7 +434,7 @@ class Engine:
 
     def drain(self, request_id: str) -> list[TokenDelta]:
         """Deltas buffered for ``request_id`` since the last call (does not step)."""
-        return self._take(request_id)
+        return self.delivery.take(request_id)
 
     def generate(
         self, prompts: Sequence[Sequence[int] | Messages | str], sampling: SamplingParams = SamplingParams()
@@ -541,7 +445,7 @@ class Engine:
         while self.has_unfinished:
             self.step()
         for rid in rids:
-            self._take(rid)
+            self.delivery.take(rid)
         return reqs
 
     def settle_tiers(self) -> list[LoadTicket]:
@@ -587,7 +491,7 @@ class Engine:
             grammar_compiles=g.compiles if g else 0,
             grammar_cache_hits=g.cache_hits if g else 0,
             grammar_compile_s=g.compile_seconds if g else 0.0,
-            mask_s=self._masks.stats.fill_seconds + self._masks.stats.apply_seconds,
+            mask_s=self.sampling.masks.stats.fill_seconds + self.sampling.masks.stats.apply_seconds,
             forced_tokens=s.num_forced_tokens,
             tier_loading=len(s.loading),
             tiers=dataclasses.replace(self.tiers.snapshot()) if self.tiers is not None else None,
@@ -618,45 +522,6 @@ class Engine:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids
-
-    def _deliver(
-        self, req: Request, tokens: list[int], reason: FinishReason | None, logprobs: list[float] = ()
-    ) -> TokenDelta:
-        """Turn new tokens into a delta; a stop string found here finishes the request.
-        A stop token (reason STOP from the scheduler) is delivered as a token, not as text."""
-        detok = self._detok.get(req.request_id)
-        text = ""
-        if detok is not None and reason is not FinishReason.ERROR:
-            try:
-                text = detok.push(tokens[:-1] if reason == FinishReason.STOP else tokens)
-                if detok.stopped and reason is None:
-                    self.scheduler.finish(req, FinishReason.STOP)
-                    reason = FinishReason.STOP
-                if reason is not None:
-                    text += detok.flush()
-            except Exception:
-                text, reason = "", self._fail(req)
-        if reason is not None:
-            req.finish_time = self.clock()
-        delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason)
-        if req.request_id in self._buffered:
-            self._pending[req.request_id].append(delta)
-        elif reason is not None:
-            self._forget(req.request_id)
-        return delta
-
-    def _take(self, request_id: str) -> list[TokenDelta]:
-        deltas = self._pending.pop(request_id, [])
-        if deltas and deltas[-1].finished:
-            self._forget(request_id)
-        return deltas
-
-    def _forget(self, request_id: str) -> None:
-        """The request is over and fully delivered: drop its per-request state."""
-        self._live.discard(request_id)
-        self._buffered.discard(request_id)
-        self._detok.pop(request_id, None)
-        self.sampler.forget(request_id)
 
 
 def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,

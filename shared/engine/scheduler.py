@@ -139,6 +139,15 @@ class Scheduler:
         del self.requests[req.request_id]
         self.policy.on_finish(req)
 
+    def fail(self, req: Request) -> FinishReason:
+        """In an ``except`` block: log the exception serving ``req`` and end ``req`` alone
+        (finish reason ``error``, its KV released; the other requests go on), unless it has
+        ended already. Returns ``FinishReason.ERROR``."""
+        log.exception("serving request %s failed: it ends with an error, the others go on", req.request_id)
+        if req.status is not RequestStatus.FINISHED:
+            self.finish(req, FinishReason.ERROR)
+        return FinishReason.ERROR
+
     def expire(self) -> list[FinishedRequest]:
         """End every request whose deadline has passed, with what it has (``deadline``), and
         every resumed one whose resumed output already ended it (a stop token, max_tokens)."""

@@ -15,8 +15,9 @@ head_dim x context per query token for attention, 2 x hidden x vocab per logits 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,21 @@ class StepProfile:
 def maybe_phase(profile: StepProfile | None, name: str) -> contextlib.AbstractContextManager:
     """``profile.phase(name)``, or a no-op when not profiling."""
     return profile.phase(name) if profile is not None else contextlib.nullcontext()
+
+
+def timed_phase(name: str) -> Callable[[Callable], Callable]:
+    """Decorate a method of an object with a ``profile: StepProfile | None`` (the engine, its
+    sampling and delivery): while it is profiling, each call's time counts into phase ``name``."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def timed(self, *args, **kwargs):
+            with maybe_phase(self.profile, name):
+                return method(self, *args, **kwargs)
+
+        return timed
+
+    return decorate
 
 
 @dataclass(frozen=True)
