@@ -36,6 +36,7 @@ import zmq
 
 from edged.cloud_link import CloudLink
 from edged.escalation import EscalationPolicy, EscalationReason, parse_structured
+from edged.escalation_state import Cloud, EscalationState, Local, Verdict
 from edged.generation import LocalJob
 from edged.local_worker import LocalWorker, QueuedJob
 from shared.engine.detokenizer import IncrementalDetokenizer
@@ -84,27 +85,36 @@ class EdgeServeConfig:
                            shutdown_grace_s=self.shutdown_grace_s, execution_log=self.execution_log)
 
 
+@dataclass
+class CloudCall:
+    """The cloud's side of an escalated request: when it went out and when it is given up, and
+    what came of it (``state.cloud`` says which of these hold)."""
+
+    started: float | None = None
+    give_up: float | None = None
+    result: Result | None = None  # Cloud.ANSWERED
+    error: str | None = None  # Cloud.FAILED: why the cloud gave no answer
+
+
 @dataclass(eq=False)
 class EdgeRequest:
-    """One live request's state (front thread only)."""
+    """One live request (the front's loop only): where it stands (``state``), why it was
+    escalated (``reason``), its local job and its cloud call."""
 
     msg: Generate
     received: float
     prompt_ids: list[int]
     spec: GrammarSpec | None
     deadline: float | None
+    state: EscalationState = field(default_factory=lambda: EscalationState(Local.NONE))
     reason: EscalationReason | None = None
     local: QueuedJob | None = None
-    local_done: bool = False
-    cloud_result: Result | None = None
-    cloud_error: str | None = None
-    cloud_started: float | None = None
-    cloud_give_up: float | None = None
+    call: CloudCall = field(default_factory=CloudCall)
     streamed: list[str] = field(default_factory=list)  # text chunks already streamed (local)
 
     @property
     def cloud_waiting(self) -> bool:
-        return self.cloud_started is not None and self.cloud_result is None and self.cloud_error is None
+        return self.state.cloud is Cloud.WAITING
 
 
 @dataclass(frozen=True)
@@ -153,7 +163,7 @@ class EdgeServer(Lane[Prepared]):
             self.cloud.close()
 
     def wait_ms(self) -> int:
-        timers = [r.cloud_give_up for r in self.live.values() if r.cloud_waiting and r.cloud_give_up]
+        timers = [r.call.give_up for r in self.live.values() if r.cloud_waiting and r.call.give_up]
         if not timers:
             return 100
         return max(0, min(100, int((min(timers) - time.monotonic()) * 1000) + 1))
@@ -222,6 +232,7 @@ class EdgeServer(Lane[Prepared]):
             queued_at=time.monotonic(),
             estimate_s=self.worker.rate.seconds(len(req.prompt_ids), params.max_tokens),
         )
+        req.state.local = Local.RUNNING
         self.worker.submit(req.local)
 
     def _on_local_tokens(self, rid: str, tokens: list[int], text: str) -> None:
@@ -235,7 +246,7 @@ class EdgeServer(Lane[Prepared]):
         req = self.live.get(rid)
         if req is None:
             return
-        req.local_done = True
+        req.state.local_done()
         job = req.local.job
         if req.reason is None and job.error is None:
             reason = self.policy.after(req.msg, job, req.spec)
@@ -250,67 +261,73 @@ class EdgeServer(Lane[Prepared]):
     def _escalate(self, req: EdgeRequest) -> None:
         reason = req.reason.value
         self.counters.escalations[reason] = self.counters.escalations.get(reason, 0) + 1
-        if self.cloud is None:
-            req.cloud_error = "no cloud is configured"
-        elif not self.cloud.breaker.allow():
-            req.cloud_error = "the cloud link's circuit breaker is open"
-        else:
-            now = time.monotonic()
-            req.cloud_started = now
-            margin = self.cloud.config.fallback_margin_ms / 1000
-            req.cloud_give_up = (req.deadline - margin) if req.deadline is not None else \
-                now + self.cloud.config.cloud_timeout_s
-            remaining_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
-            rid = req.msg.request_id
-            self.cloud.submit(
-                req.msg, robot_id=self.config.robot_id, deadline_ms=remaining_ms,
-                on_result=lambda result: self.mailbox.post(lambda: self._on_cloud_result(rid, result)),
-                on_error=lambda error: self.mailbox.post(lambda: self._on_cloud_error(rid, error)),
-            )
-            return
+        if req.state.cloud is Cloud.UNASKED:  # (one cancelled meanwhile is answered as it stands)
+            if self.cloud is None:
+                self._cloud_failed(req, "no cloud is configured")
+            elif not self.cloud.breaker.allow():
+                self._cloud_failed(req, "the cloud link's circuit breaker is open")
+            else:
+                req.state.cloud_to(Cloud.WAITING)
+                return self._call_cloud(req)
         self._settle(req)
+
+    def _call_cloud(self, req: EdgeRequest) -> None:
+        now = time.monotonic()
+        req.call.started = now
+        margin = self.cloud.config.fallback_margin_ms / 1000
+        req.call.give_up = (req.deadline - margin) if req.deadline is not None else \
+            now + self.cloud.config.cloud_timeout_s
+        remaining_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
+        rid = req.msg.request_id
+        self.cloud.submit(
+            req.msg, robot_id=self.config.robot_id, deadline_ms=remaining_ms,
+            on_result=lambda result: self.mailbox.post(lambda: self._on_cloud_result(rid, result)),
+            on_error=lambda error: self.mailbox.post(lambda: self._on_cloud_error(rid, error)),
+        )
+
+    def _cloud_failed(self, req: EdgeRequest, why: str) -> bool:
+        """The cloud is out of ``req``'s picture (``why``); False if it already was."""
+        if not req.state.cloud_to(Cloud.FAILED):
+            return False
+        req.call.error = why
+        return True
 
     def _on_cloud_result(self, rid: str, result: Result) -> None:
         req = self.live.get(rid)
-        if req is None or not req.cloud_waiting:
+        if req is None or not req.state.cloud_to(Cloud.ANSWERED):
             return
-        req.cloud_result = result
+        req.call.result = result
         self._settle(req)
 
     def _on_cloud_error(self, rid: str, error: Error) -> None:
         req = self.live.get(rid)
         self.counters.cloud_errors += 1
-        if req is None or not req.cloud_waiting:
-            return
-        req.cloud_error = f"cloud {error.code.value}: {error.message}"
-        self._settle(req)
+        if req is not None and self._cloud_failed(req, f"cloud {error.code.value}: {error.message}"):
+            self._settle(req)
 
     def work(self) -> None:
         """The cloud calls past their time: given up, answered locally."""
         now = time.monotonic()
         for req in list(self.live.values()):
-            if req.cloud_waiting and req.cloud_give_up is not None and now >= req.cloud_give_up:
-                req.cloud_error = "the cloud did not answer in time"
+            if req.cloud_waiting and req.call.give_up is not None and now >= req.call.give_up:
+                self._cloud_failed(req, "the cloud did not answer in time")
                 self.cloud.abandon(req.msg.request_id)
                 self._settle(req)
 
     # --- answers -------------------------------------------------------------------------------
 
     def _settle(self, req: EdgeRequest) -> None:
-        """Answer ``req`` if its answer is known: the cloud's, else the local one once the cloud
-        is out of the picture. Otherwise keep waiting."""
-        if req.cloud_result is not None:
-            if req.local is not None and not req.local_done:
+        """Answer ``req`` as its state's verdict says (``edged.escalation_state``), or keep waiting."""
+        verdict = req.state.verdict()
+        if verdict is Verdict.WAIT:
+            return
+        if verdict is Verdict.CLOUD:
+            if req.state.local is Local.RUNNING:
                 self.worker.cancel(req.msg.request_id)
-            return self._answer(req, self._from_cloud(req, req.cloud_result))
-        if req.cloud_waiting:
-            return
-        if req.local is None:  # the prompt only fits the cloud, and the cloud failed
-            self._finish(req, Error(ErrorCode.UNAVAILABLE, f"escalation needed ({req.reason.value}) and "
-                                    f"{req.cloud_error}", req.msg.request_id))
-            return
-        if not req.local_done:
-            return
+            return self._answer(req, self._from_cloud(req, req.call.result))
+        if verdict is Verdict.UNAVAILABLE:
+            return self._finish(req, Error(ErrorCode.UNAVAILABLE, f"escalation needed ({req.reason.value}) and "
+                                           f"{req.call.error}", req.msg.request_id))
         job = req.local.job
         if job.error is not None:
             self._finish(req, Error(ErrorCode.INTERNAL, job.error, req.msg.request_id))
@@ -326,7 +343,7 @@ class EdgeServer(Lane[Prepared]):
             timings["ttft_s"] = job.first_token_s - req.received
         details = []
         if degraded:
-            details.append(f"escalated ({req.reason.value}) but {req.cloud_error}: this is the robot's own plan")
+            details.append(f"escalated ({req.reason.value}) but {req.call.error}: this is the robot's own plan")
         if job.finish_reason is FinishReason.DEADLINE:
             details.append("the deadline passed: the text is what was generated by then")
         return Result(
@@ -341,7 +358,7 @@ class EdgeServer(Lane[Prepared]):
     def _from_cloud(self, req: EdgeRequest, cloud: Result) -> Result:
         timings = {f"cloud_{k}": v for k, v in cloud.timings.items()}
         timings["e2e_s"] = time.monotonic() - req.received
-        timings["cloud_s"] = time.monotonic() - req.cloud_started
+        timings["cloud_s"] = time.monotonic() - req.call.started
         return replace(cloud, request_id=req.msg.request_id, source=Source.CLOUD, degraded=False,
                        plan=cloud.plan if cloud.plan is not None else _plan(cloud.text, req.spec),
                        escalation_reason=req.reason.value, timings=timings)
@@ -377,13 +394,12 @@ class EdgeServer(Lane[Prepared]):
     def _cancel(self, req: EdgeRequest) -> None:
         """End ``req`` as cancelled: its local job stops (its result, finish reason ``abort``,
         follows); a cloud call is abandoned."""
-        if req.cloud_waiting:
+        if self._cloud_failed(req, "cancelled") and req.call.started is not None:
             self.cloud.abandon(req.msg.request_id)
-            req.cloud_error = "cancelled"
-        if req.local is not None and not req.local_done:
+        if req.state.local is Local.RUNNING:
             req.reason = None  # a cancelled request is answered as it stands, not escalated
             self.worker.cancel(req.msg.request_id)
-        elif req.local is None:  # only the cloud had it: nothing was generated here
+        elif req.state.local is Local.NONE:  # only the cloud had it: nothing was generated here
             self._answer(req, Result(req.msg.request_id, "", FinishReason.ABORT.value,
                                      Usage(len(req.prompt_ids), 0), source=Source.CLOUD,
                                      escalation_reason=req.reason.value, detail="cancelled"))
