@@ -16,21 +16,13 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
+from cloudd.assembly import build_serving_engine, engine_config_from, engine_note, model_path_from  # noqa: E402
 from cloudd.trace import bundled_trace  # noqa: E402
 from kernels.kv_layout import LAYOUTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
-from shared.config import load_engine_config  # noqa: E402
 from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
 from shared.engine.kernel_choice import KernelSpec  # noqa: E402
-from shared.engine.engine_config import EngineConfig  # noqa: E402
-
-if TYPE_CHECKING:
-    from cloudd.server import ServeConfig
-    from shared.engine.engine import Engine
-    from shared.model.summary import ModelSummary
-    from shared.model.tokenizer import Tokenizer
 
 
 def _url_list(text: str) -> tuple[str, ...]:
@@ -77,59 +69,6 @@ def _kernels_arg(text: str) -> str:
     return text
 
 
-# Offline replay without a config batches for throughput, as vLLM's offline LLM does: every
-# request may run at once (the trace's 256) and a step computes up to 2,048 tokens.
-OFFLINE_SCHEDULER = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
-
-
-def _engine_config(args, offline: bool = False, compile_by_default: bool = True) -> EngineConfig:
-    """The config file (or defaults; ``offline``: OFFLINE_SCHEDULER's; compiled layers unless a
-    one-off command would wait on the compiler for nothing), then any flag given on the command
-    line."""
-    from shared.engine.scheduler import SchedulerConfig
-
-    base = load_engine_config(args.config) if args.config else EngineConfig(
-        num_blocks=8192, compile=compile_by_default, time_kernels=compile_by_default,
-        scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
-    if args.config:
-        from shared.config import load_section
-        from shared.engine.kv.hicache_config import HiCacheConfig
-
-        base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
-    engine = {"dtype": args.dtype, "compile": args.compile, "block_size": args.block_size,
-              "num_blocks": args.num_blocks, "device": args.device, "kernels": args.kernels,
-              "time_kernels": args.time_kernels,
-              "cuda_graphs": args.cuda_graphs, "kv_layout": args.kv_layout}
-    scheduler = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens}
-    return dataclasses.replace(
-        base,
-        **{k: v for k, v in engine.items() if v is not None},
-        scheduler=dataclasses.replace(base.scheduler, **{k: v for k, v in scheduler.items() if v is not None}),
-    )
-
-
-def _graphs_note(engine) -> str:
-    graphs = engine.runner.graphs
-    return "off" if graphs is None else f"{len(graphs.buckets)} captured in {graphs.capture_seconds:.1f}s"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelTable:
-    """The ``[model]`` table of cloudd's config: what the fleet tier serves."""
-
-    name: str = ""  # a known model name (fetched and checked once) or a GGUF file / HF folder; "" = the default
-
-
-def _model_path(args) -> Path:
-    """``--model``, else the config's ``[model] name``, else the embedded default model: a known
-    name is fetched (``shared.model.fetch.resolve_model``); ValueError for anything else."""
-    from shared.config import load_section
-    from shared.model.fetch import ensure_default_model, resolve_model
-
-    spec = args.model or (load_section(args.config, "model", ModelTable).name if getattr(args, "config", None) else "")
-    return resolve_model(spec) if spec else ensure_default_model()
-
-
 def cmd_bench(args) -> int:
     if args.serve:
         return _cmd_serve_bench(args)
@@ -139,8 +78,8 @@ def cmd_bench(args) -> int:
 
     opts = BenchOptions(
         trace=args.trace,
-        model=_model_path(args),
-        engine=_engine_config(args, offline=True),
+        model=model_path_from(args),
+        engine=engine_config_from(args, offline=True),
         indexes=args.index,
         response_formats=args.response_format,
         baselines=args.baseline or (),
@@ -212,18 +151,6 @@ def _cmd_serve_bench(args) -> int:
     return 0
 
 
-def _reload_keys(server, api_keys) -> None:
-    """SIGHUP: the CURVE key directories and the HTTP API's key file, read again."""
-    import logging
-
-    server.reload_keys()
-    if api_keys is not None:
-        try:
-            logging.getLogger("cloudd").info("SIGHUP: %d HTTP API keys", api_keys.reload())
-        except (OSError, ValueError) as e:  # keep the keys in force
-            logging.getLogger("cloudd").error("SIGHUP: HTTP API keys not reloaded: %s", e)
-
-
 def cmd_api_key(args) -> int:
     from cloudd.api_keys import make_key
 
@@ -232,73 +159,12 @@ def cmd_api_key(args) -> int:
     return 0
 
 
-@dataclasses.dataclass
-class ServingEngine:
-    """What ``cloudd serve`` (and each cluster replica) runs: the engine, warmed up, and the config."""
-
-    engine: Engine
-    tokenizer: Tokenizer
-    model_name: str
-    serve: ServeConfig
-    policy: str  # "fleet" | "fcfs"
-    warm_up_s: float
-
-
-def build_serving_engine(args) -> ServingEngine:
-    """The model, the engine with the config's policy, the configured grammars compiled and one
-    warm-up step run: ready for the first request."""
-    import concurrent.futures
-
-    from cloudd.server import ServeConfig
-    from shared.config import load_section
-    from shared.engine.engine import Engine
-    from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
-    from shared.model.weight_cache import load_model
-
-    serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
-    ports = {"zmq_port": args.zmq_port, "http_port": args.http_port}
-    serve = dataclasses.replace(serve, **{k: v for k, v in ports.items() if v is not None})
-    policy_config = load_section(args.config, "policy", FleetPolicyConfig) if args.config else FleetPolicyConfig()
-    policy = FCFS() if args.policy == "fcfs" else FleetPolicy(policy_config)
-
-    model_path = _model_path(args)
-    engine_config = _engine_config(args)
-    model, ckpt = load_model(model_path, engine_config.torch_dtype)
-    engine = Engine(model, ckpt.tokenizer, engine_config, policy=policy)
-    # NOTE: the configured grammars finish compiling before the first request: a compile still
-    # running takes a core from the first steps (measured: a first step of 234 ms, not 22)
-    concurrent.futures.wait(engine.precompile(_response_formats(serve.precompile)))
-    warm_up_s = engine.warm_up()
-    return ServingEngine(engine, ckpt.tokenizer, model_path.stem, serve, args.policy, warm_up_s)
-
-
-def engine_note(serving: ServingEngine) -> str:
-    """What the engine runs and how it started, for a ready line (``model=<stem> (<arch>, <n>
-    params)`` first)."""
-    engine = serving.engine
-    dtype = engine.config.dtype_choice
-    return (f"model={model_summary(serving)} policy={serving.policy} "
-            f"compile={'off' if engine.compile_seconds is None else f'{engine.compile_seconds:.1f}s'} "
-            f"warm_up={serving.warm_up_s:.1f}s dtype={dtype.name} ({dtype.reason}) kernels={engine.runner.kernels} "
-            f"kv_layout={engine.runner.kv_layout} cuda_graphs={_graphs_note(engine)}")
-
-
-def model_summary(serving: ServingEngine) -> ModelSummary:
-    from shared.model.summary import ModelSummary
-
-    return ModelSummary.of(serving.model_name, serving.engine.runner.model.config)
-
-
 def cmd_serve(args) -> int:
     import logging
     import signal
-    import threading
 
-    from cloudd.api_keys import ApiKeys
-    from cloudd.http_api import ApiContext, make_http_server
+    from cloudd.http_api import start_http_api
     from cloudd.server import CloudServer
-    from shared.transport.client import ClientConfig, FleetClient
-    from shared.transport.loopback import is_loopback
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serving = build_serving_engine(args)
@@ -306,24 +172,16 @@ def cmd_serve(args) -> int:
     freeze_start_up_heap()
     respond_between_steps()
     server = CloudServer(engine, serve, model_name=model_name)
-    client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
-    api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
-    http = make_http_server(serve.http_host, serve.http_port,
-                            ApiContext(client, serving.tokenizer, server.metrics, model_name, api_keys,
-                                       open_probes=is_loopback(serve.http_host)),
-                            timeout_s=serve.http_timeout_s, max_connections=serve.http_max_connections)
-    http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
-    http_thread.start()
+    http = start_http_api(serve, server, serving.tokenizer, server.metrics, model_name)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
-    signal.signal(signal.SIGHUP, lambda *_: _reload_keys(server, api_keys))
-    host, port = http.server_address[:2]
+    signal.signal(signal.SIGHUP, lambda *_: (server.reload_keys(), http.reload_keys()))
+    host, port = http.server.server_address[:2]
     print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} {engine_note(serving)}", flush=True)
     try:
         server.serve_forever()
     finally:
-        http.shutdown()
-        client.close()
+        http.close()
         engine.close()  # after the loop returned: no step races the tier copier's last copies
     print("cloudd: stopped", flush=True)
     return 0
@@ -336,7 +194,7 @@ ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "time
 def _replica_args(args) -> dict:
     """What each cluster replica builds its engine from (``build_serving_engine``'s arguments):
     this command's engine flags, the model resolved here, the fleet policy, no ports of its own."""
-    return {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": _model_path(args), "zmq_port": 0, "http_port": 0,
+    return {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": model_path_from(args), "zmq_port": 0, "http_port": 0,
             "policy": "fleet"}
 
 
@@ -377,21 +235,6 @@ def cmd_cluster_status(args) -> int:
     return 0
 
 
-def _response_formats(names: tuple[str, ...]) -> list[dict]:
-    """``[serve] precompile`` entries: "fleet-plan" (the bundled traces' skills) or a JSON file
-    holding a response_format object."""
-    from shared.engine.grammar.response_format import fleet_plan_format
-
-    formats = []
-    for name in names:
-        if name == "fleet-plan":
-            formats.append(fleet_plan_format())
-            continue
-        with open(name, encoding="utf-8") as f:
-            formats.append(json.load(f))
-    return formats
-
-
 def cmd_agreement(args) -> int:
     from cloudd.dtype_agreement import format_agreement, measure_agreement
     from cloudd.trace import load_trace
@@ -399,10 +242,10 @@ def cmd_agreement(args) -> int:
 
     if args.dtype in (None, "auto", "float32"):
         raise ValueError("--dtype must name the dtype compared with float32 (bfloat16 or float16)")
-    ckpt = load_checkpoint(_model_path(args))
+    ckpt = load_checkpoint(model_path_from(args))
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     result = measure_agreement(ckpt, load_trace(args.trace, args.limit), args.dtype, args.tokens,
-                               _engine_config(args, compile_by_default=False), log)
+                               engine_config_from(args, compile_by_default=False), log)
     print(json.dumps(result.as_dict()) if args.json else format_agreement(result))
     return 0
 
@@ -411,7 +254,7 @@ def cmd_chat(args) -> int:
     from shared.engine.engine import Engine
     from shared.engine.sampling_params import SamplingParams
 
-    engine = Engine.from_checkpoint(_model_path(args), _engine_config(args, compile_by_default=False))
+    engine = Engine.from_checkpoint(model_path_from(args), engine_config_from(args, compile_by_default=False))
     messages = [{"role": "user", "content": args.prompt}]
     rid = engine.submit(messages, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     for delta in engine.stream(rid):

@@ -23,6 +23,7 @@ import os  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import AsyncIterator  # noqa: E402
 
+from cloudd.assembly import build_serving_engine  # noqa: E402
 from cloudd.cluster.routing import RouteHint  # noqa: E402
 from shared.protocol.codec import decode, encode  # noqa: E402
 from shared.protocol.messages import Error, ErrorCode, Generate, Result  # noqa: E402
@@ -39,7 +40,6 @@ class EngineReplica:
         import torch
         from ray import serve
 
-        from cloudd.__main__ import build_serving_engine
         from cloudd.server import CloudServer
         from shared.transport.client import FleetClient
 

@@ -16,7 +16,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
-from cloudd.__main__ import ServingEngine, engine_note
+from cloudd.assembly import ServingEngine, engine_note
 from cloudd.fleetctl import fmt_seconds, main, requests_view, robots_table, status_panel, top_view
 from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
