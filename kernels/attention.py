@@ -39,18 +39,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSegment
 from kernels.kv_layout import gather, kv_heads_of, write_kv
 from kernels.layer_math import rotated
+from kernels.layer_wait import LayerWait
 from kernels.paged_decode_cpu import PagedDecode, paged_decode_kernel, paged_decode_tiles_kernel
 from kernels.softmax_lse_cpu import SoftmaxLse, softmax_lse_kernel
-
-if TYPE_CHECKING:
-    from shared.engine.kv.layer_fence import LayerFence
 
 
 # Bound once: looking an op up in torch.ops costs microseconds per call.
@@ -119,7 +116,7 @@ class PagedAttentionStep:
     step reads, one layer at a time (so layer ``l`` computes while later layers copy)."""
 
     meta: AttentionMetadata
-    fences: tuple[LayerFence, ...] = ()  # tier loads into blocks this step reads, layer by layer
+    fences: tuple[LayerWait, ...] = ()  # tier loads into blocks this step reads, layer by layer
 
     def attend(self, layer, q, k, v, kv_cache, scale: float, rope=None) -> torch.Tensor:
         for fence in self.fences:  # the layer's loaded KV must land before it is read

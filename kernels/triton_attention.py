@@ -13,18 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.kv_layout import write_kv
 from kernels.attention_metadata import decode_problems
+from kernels.kv_layout import write_kv
+from kernels.layer_wait import LayerWait
 from kernels.triton_decode_attention import DecodePlan, paged_decode_attention
 from kernels.triton_extend_attention import ExtendPlan, extend_attention
 from kernels.triton_rotary_kv import rotary_kv
-
-if TYPE_CHECKING:
-    from shared.engine.kv.layer_fence import LayerFence
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,7 @@ class TritonAttentionStep:
     ``fences`` (KV tier loads landing in blocks this step reads, as ``PagedAttentionStep``)."""
 
     meta: TritonAttentionMetadata
-    fences: tuple[LayerFence, ...] = ()
+    fences: tuple[LayerWait, ...] = ()
 
     def attend(self, layer, q, k, v, kv_cache, scale: float, rope=None) -> torch.Tensor:
         for fence in self.fences:
