@@ -151,18 +151,6 @@ def _cmd_serve_bench(args) -> int:
     return 0
 
 
-def _reload_keys(server, api_keys) -> None:
-    """SIGHUP: the CURVE key directories and the HTTP API's key file, read again."""
-    import logging
-
-    server.reload_keys()
-    if api_keys is not None:
-        try:
-            logging.getLogger("cloudd").info("SIGHUP: %d HTTP API keys", api_keys.reload())
-        except (OSError, ValueError) as e:  # keep the keys in force
-            logging.getLogger("cloudd").error("SIGHUP: HTTP API keys not reloaded: %s", e)
-
-
 def cmd_api_key(args) -> int:
     from cloudd.api_keys import make_key
 
@@ -174,13 +162,9 @@ def cmd_api_key(args) -> int:
 def cmd_serve(args) -> int:
     import logging
     import signal
-    import threading
 
-    from cloudd.api_keys import ApiKeys
-    from cloudd.http_api import ApiContext, make_http_server
+    from cloudd.http_api import start_http_api
     from cloudd.server import CloudServer
-    from shared.transport.client import ClientConfig, FleetClient
-    from shared.transport.loopback import is_loopback
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serving = build_serving_engine(args)
@@ -188,24 +172,16 @@ def cmd_serve(args) -> int:
     freeze_start_up_heap()
     respond_between_steps()
     server = CloudServer(engine, serve, model_name=model_name)
-    client = FleetClient(server.inproc_endpoint, ClientConfig(curve=server.local_curve), context=server.context)
-    api_keys = ApiKeys(serve.http_api_keys) if serve.http_api_keys else None
-    http = make_http_server(serve.http_host, serve.http_port,
-                            ApiContext(client, serving.tokenizer, server.metrics, model_name, api_keys,
-                                       open_probes=is_loopback(serve.http_host)),
-                            timeout_s=serve.http_timeout_s, max_connections=serve.http_max_connections)
-    http_thread = threading.Thread(target=http.serve_forever, name="http", daemon=True)
-    http_thread.start()
+    http = start_http_api(serve, server, serving.tokenizer, server.metrics, model_name)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
-    signal.signal(signal.SIGHUP, lambda *_: _reload_keys(server, api_keys))
-    host, port = http.server_address[:2]
+    signal.signal(signal.SIGHUP, lambda *_: (server.reload_keys(), http.reload_keys()))
+    host, port = http.server.server_address[:2]
     print(f"cloudd ready: zmq={server.endpoint} http=http://{host}:{port} {engine_note(serving)}", flush=True)
     try:
         server.serve_forever()
     finally:
-        http.shutdown()
-        client.close()
+        http.close()
         engine.close()  # after the loop returned: no step races the tier copier's last copies
     print("cloudd: stopped", flush=True)
     return 0
