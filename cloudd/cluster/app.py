@@ -9,10 +9,9 @@ import logging
 import signal
 
 from cloudd.cluster.config import ClusterConfig
-from cloudd.cluster.ray_runtime import import_ray, start_ray, stop_ray
+from cloudd.cluster.ray_runtime import APP_NAME, import_ray, start_ray, stop_ray
 from cloudd.cluster.routing import RoutingConfig
 
-APP_NAME = "cloudd"
 log = logging.getLogger(__name__)
 
 

@@ -17,6 +17,7 @@ from types import ModuleType
 
 from cloudd.cluster.config import ClusterConfig
 
+APP_NAME = "cloudd"  # the Serve application `cloudd cluster serve` deploys
 RAY_VERSION = "2.60.0"  # the request-router API is alpha: pinned to what was verified
 INSTALL_HINT = ("cloudd cluster needs Ray Serve: pip install -e '.[cluster]' (ray[serve]==" + RAY_VERSION + ")")
 LOOPBACK_ENV = {
@@ -69,7 +70,5 @@ def stop_ray(started_here: bool) -> None:
         serve.shutdown()
         ray.shutdown()
     else:
-        from cloudd.cluster.app import APP_NAME
-
         serve.delete(APP_NAME)
         ray.shutdown()
