@@ -240,13 +240,17 @@ def test_a_robot_over_its_quota_is_told_when_to_retry():
 
 
 def test_shutdown_answers_the_running_request_after_the_grace():
-    with running(config(shutdown_grace_s=0.2)) as lane:
+    with running(config(shutdown_grace_s=2.0)) as lane:
         peer = Peer(lane.front.endpoints[0])
         peer.send(gen("long", max_tokens=1_000))
         while "long" not in lane.started:
             peer.send(Stats())
             peer.recv()
         lane.stop()
+        status = None
+        while status != "draining":
+            peer.send(Health())
+            status = peer.recv().status
         peer.send(gen("late"))
         late = peer.recv()
         assert isinstance(late, Error) and late.code is ErrorCode.REJECTED and "testd is shutting down" in late.message
