@@ -168,8 +168,6 @@ class Engine:
         self.sampler = Sampler()
         self.sampling = SamplingStep(self.sampler, MaskBatch(model.config.vocab_size), self.scheduler)
         self.delivery = Delivery(self.scheduler, clock, self.sampler.forget)
-        # NOTE: the delivery's own containers, named as the tests read them
-        self._detok, self._pending, self._live = self.delivery.detokenizers, self.delivery.pending, self.delivery.live
         self._grammar: GrammarCompiler | None = None  # built on first use (0.2 s)
         self._grammar_lock = threading.Lock()  # prepare() may build it on a daemon's preparing thread
         self._seq = itertools.count()

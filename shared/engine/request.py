@@ -106,11 +106,6 @@ class Request:
             raise ValueError("prompt must have at least one token")
 
     @property
-    def page_hashes(self) -> list[bytes]:
-        """``cache.page_hashes``: the keys of its first full pages (as far as computed yet)."""
-        return self.cache.page_hashes
-
-    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

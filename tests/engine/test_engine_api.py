@@ -296,7 +296,7 @@ def test_unbuffered_requests_leave_nothing_behind_when_driven_by_step():
     while e.has_unfinished:
         finished += [d.request_id for d in e.step() if d.finished]
     assert sorted(finished) == sorted(rids)
-    assert not e._pending and not e._live and not e._detok
+    assert not e.delivery.pending and not e.delivery.live and not e.delivery.detokenizers
     with pytest.raises(KeyError):
         e.stream(rids[0])  # raises at the call, not at the first next()
 

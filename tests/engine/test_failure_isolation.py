@@ -87,7 +87,7 @@ def test_a_failing_detokenizer_ends_its_request_alone():
 
     e = engine()
     e.submit(OTHER, greedy(5), request_id="bad", buffered=False)
-    e._detok["bad"] = Broken()  # NOTE: the tiny model has no tokenizer; this one fails on first use
+    e.delivery.detokenizers["bad"] = Broken()  # NOTE: the tiny model has no tokenizer; this one fails on first use
     out = run_all(e, {"a": PROMPT})
     assert out["a"] == (greedy_reference(MODEL, PROMPT, 5), FinishReason.LENGTH)
     assert out["bad"][1] is FinishReason.ERROR

@@ -22,7 +22,7 @@ SEQS = [[s * 10 + t for t in range(4 * BS + 1)] for s in range(3)] + [[0] * 8 + 
 
 
 def page_value(req: Request, k: int) -> float:
-    return float(int.from_bytes(req.page_hashes[k][:2], "little"))
+    return float(int.from_bytes(req.cache.page_hashes[k][:2], "little"))
 
 
 def make(tmp_path, host_pages: int, layerwise: bool = False):
