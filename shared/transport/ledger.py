@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from shared.protocol.messages import Chunk, Error, ErrorCode, Generate, Message, Result
+from shared.transport.execution_log import KeptResult
 
 
 @dataclass
@@ -92,9 +93,7 @@ class RequestLedger:
         entry.result = result
         entry.finished_at = now
         entry.text, entry.token_ids = [], []  # the result holds them
-        self._finished[request_id] = entry
-        while len(self._finished) > self.max_entries:
-            self._finished.popitem(last=False)
+        self._remember(request_id, entry)
         return entry
 
     def cancel(self, request_id: str, identity: bytes, robot: str | None = None) -> Message | None:
@@ -110,6 +109,18 @@ class RequestLedger:
             return entry.result
         entry.subscribe(identity)
         return None
+
+    def keep(self, kept: KeptResult, finished_at: float) -> None:
+        """A request that finished before a restart, as its journal kept it: a retry gets its
+        result until ``finished_at + ttl_s`` (its chunks are not kept: the result holds the
+        whole answer)."""
+        self._remember(kept.request_id, LedgerEntry(kept.fingerprint, kept.stream, kept.robot_id, [],
+                                                    result=kept.result, finished_at=finished_at))
+
+    def _remember(self, request_id: str, entry: LedgerEntry) -> None:
+        self._finished[request_id] = entry
+        while len(self._finished) > self.max_entries:
+            self._finished.popitem(last=False)
 
     def discard(self, request_id: str) -> None:
         """Forget a live request that has no result: rejected after ``open``, or failed in the

@@ -44,7 +44,7 @@ from shared.protocol.messages import (
     Cancel, Chunk, Error, ErrorCode, Generate, Message, Result, Source, Stats,
 )
 from shared.transport.curve import OPERATOR, Caller, ServerCurve
-from shared.transport.execution_log import ExecutionLog
+from shared.transport.execution_log import ExecutionLog, KeptResult, read_kept_results
 from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.mailbox import Mailbox
 from shared.transport.preparing import Admitting, Preparer
@@ -67,7 +67,9 @@ class FrontConfig:
     result_ttl_s: float = 300.0  # finished results kept for retries with the same request_id
     shutdown_grace_s: float = 30.0  # on stop, running requests get this long to finish
     stall_after_s: float = 10.0  # one turn of the loop running longer: health answers "stalled"
-    execution_log: str = ""  # a journal of every execution (shared.transport.execution_log): "" = none
+    # a journal of every execution and its result (shared.transport.execution_log), where a restart
+    # finds the results the process before it had not sent yet: "" = none
+    execution_log: str = ""
     robot_quota: QuotaConfig = field(default_factory=QuotaConfig)  # per robot, charged on arrival
     frame_quota: QuotaConfig = field(default_factory=QuotaConfig)  # per sender; frames past it are dropped unread
     curve_secret_key: str = ""
@@ -169,6 +171,8 @@ class RequestFront(Generic[P]):
         self.config = config
         self.context = context or zmq.Context.instance()
         self.ledger = RequestLedger(ttl_s=config.result_ttl_s)
+        if config.execution_log:
+            self._restore_results(config.execution_log)
         self.executions = ExecutionLog(config.execution_log)
         self.quotas = RobotQuotas(config.robot_quota)
         self.counters = FrontCounters()
@@ -236,6 +240,16 @@ class RequestFront(Generic[P]):
         if began is not None and time.monotonic() - began > self.config.stall_after_s:
             return "stalled"
         return "ok"
+
+    def _restore_results(self, journal: str) -> None:
+        """The results kept in ``journal`` by the process before this one (a crash, a restart):
+        a retry of a request that ended there is answered with its result, not run again."""
+        wall, monotonic = time.time(), time.monotonic()
+        kept = read_kept_results(journal, self.config.result_ttl_s, wall)
+        for k in kept:
+            self.ledger.keep(k, finished_at=monotonic - (wall - k.finished_at))
+        if kept:
+            log.info("%d results kept from before the restart (%s)", len(kept), journal)
 
     def reload_keys(self) -> None:
         """Read the CURVE key directories again (SIGHUP): live streams go on; a removed key's
@@ -393,7 +407,8 @@ class RequestFront(Generic[P]):
             return
         if isinstance(reply, Result):
             self.ledger.close(request_id, reply, time.monotonic())
-            self.executions.ended(request_id, reply.finish_reason)
+            self.executions.ended(request_id, reply.finish_reason, KeptResult(
+                request_id, entry.fingerprint, entry.stream, entry.robot_id, reply, time.time()))
         else:
             self.ledger.discard(request_id)
             self.executions.ended(request_id, reply.code.value)

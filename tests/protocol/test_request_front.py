@@ -291,3 +291,24 @@ def test_with_curve_a_robot_acts_as_itself(tmp_path: Path):
         for p in (one, two, ops):
             p.sock.close()
     context.term()
+
+
+def test_after_a_restart_a_retry_of_a_request_that_ended_gets_its_kept_result_and_does_not_run_again(tmp_path):
+    """Found by make soak on a Xeon: a request that ended but whose answer was not yet sent when
+    the daemon died ran again when the robot resent it (the ledger lived in memory only)."""
+    journal = str(tmp_path / "executions.jsonl")
+    with running(config(execution_log=journal)) as first:
+        peer = Peer(first.front.endpoints[0])
+        peer.send(gen("amr-1/x", stream=True, robot_id="amr-1"))
+        _, answer = peer.until_end()
+        peer.sock.close()
+    with running(config(execution_log=journal)) as second:  # the next incarnation, on another port
+        peer = Peer(second.front.endpoints[0])
+        peer.send(gen("amr-1/x", stream=True, robot_id="amr-1", resume_from=1))  # the robot resends it
+        assert peer.recv() == answer and second.started == []  # answered from the journal, not run
+        peer.send(gen("amr-1/x", max_tokens=7))  # another request under its id
+        reply = peer.recv()
+        assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_REQUEST
+        peer.send(Cancel("amr-1/x"))  # a cancel of a finished request gets its result
+        assert peer.recv() == answer
+        peer.sock.close()
