@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 # Temperatures below this sample greedily (as vLLM does): 1 / temperature stays far from
@@ -39,8 +40,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.top_p <= 1 or _as_float32(self.top_p) == 0:  # the sampler's float32 would keep no token
+            raise ValueError(f"top_p must be in (0, 1] and not 0 as a float32, got {self.top_p}")
         if isinstance(self.stop, str):  # OpenAI clients send a single stop as a plain string
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -57,3 +58,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _as_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]

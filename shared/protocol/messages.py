@@ -29,6 +29,9 @@ MAX_TAG_CHARS = 64
 MAX_MESSAGES = 1024
 MAX_PROMPT_IDS = 1 << 17  # 131,072 tokens: past every context a daemon serves
 MAX_STOPS = 64
+# Stop strings are matched against the text after every token: 64 stops of 15,000 characters cost
+# 358 ms a detokenizer step, for every other robot too. A few plan markers fit many times over.
+MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 
 
@@ -122,6 +125,9 @@ class Sampling:
             _check_range("seed", self.seed, 0, SEED_LIMIT)
         for token in self.stop_token_ids:
             _check_range("stop_token_ids", token, 0)
+        stop_chars = sum(len(s) for s in self.stop if isinstance(s, str))
+        if stop_chars > MAX_STOP_CHARS:
+            raise ValueError(f"stop: at most {MAX_STOP_CHARS} characters in all, got {stop_chars}")
 
 
 @dataclass(frozen=True)

@@ -228,3 +228,11 @@ def test_greedy_takes_the_first_of_tied_maxima_in_any_dtype():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0]])
     for dtype in (torch.float32, torch.bfloat16):
         assert tokens(Sampler().sample(logits.to(dtype), ["a", "b"], [GREEDY] * 2)) == [1, 0]
+
+
+def test_a_top_p_that_is_zero_as_a_float32_is_refused():
+    """Found in review: 1e-300 passed the (0, 1] check and was 0 in the sampler's float32, so no
+    token was kept (token 0, an empty result, no detail)."""
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=1e-300)
+    assert SamplingParams(temperature=1.0, top_p=1e-30).top_p == 1e-30  # tiny but representable

@@ -11,6 +11,7 @@ from shared.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode, enco
 from shared.protocol.messages import (
     MAX_MESSAGES,
     MAX_PROMPT_IDS,
+    MAX_STOP_CHARS,
     MAX_STOPS,
     MAX_TAGS,
     PROTOCOL_VERSION,
@@ -216,3 +217,13 @@ def test_client_strings_a_daemon_keeps_are_bounded(build, field):
     """Found in review: a 500 KB robot_id grew /metrics to 28.5 MB, and tags were kept whole."""
     with pytest.raises(ValueError, match=field):
         build()
+
+
+def test_stop_strings_are_bounded_in_total_length():
+    """Found in review: 64 stops of 15,000 characters cost 358 ms a detokenizer step, for every
+    robot on the server."""
+    wire = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "a", "messages": [{"role": "user", "content": "hi"}],
+            "sampling": {"stop": ["x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)]}}
+    with pytest.raises(ProtocolError, match="at most 4096 characters"):
+        decode(msgpack.packb(wire))
+    assert Sampling(stop=("x" * (MAX_STOP_CHARS // 2),) * 2).stop[0] == "x" * (MAX_STOP_CHARS // 2)
