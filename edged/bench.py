@@ -46,7 +46,8 @@ from edged.generation import Batch1Generator, LocalJob
 from edged.speculation import NgramIndex, SpeculationConfig, recent_outputs, remember
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
-from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec, plan_schema
+from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
+from shared.plan.schema import plan_schema
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import load_checkpoint

@@ -30,24 +30,17 @@ after a local answer (so that answer is the fallback)
 from __future__ import annotations
 
 import enum
-import functools
-import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import jsonschema
-
 from shared.engine.grammar.response_format import GrammarSpec
 from shared.engine.request import FinishReason
+from shared.plan.answer import StructuredAnswer, spec_schema
 from shared.protocol.messages import Escalation, Generate
 
 if TYPE_CHECKING:  # NOTE: the generator loads torch; the config and plan-eval's CLI import this module
     from edged.generation import LocalJob
-
-
-SCHEMAS_CACHED = 128  # json_schema specs whose validator is kept: as GrammarCompiler's compiled grammars
 
 
 class EscalationReason(enum.Enum):
@@ -113,42 +106,26 @@ class EscalationPolicy:
             return EscalationReason.LOCAL_QUEUE
         return None
 
-    def after(self, msg: Generate, job: LocalJob, spec: GrammarSpec | None) -> EscalationReason | None:
-        """The reason to escalate a finished local answer, or None."""
+    def after(self, msg: Generate, job: LocalJob, spec: GrammarSpec | None,
+              answer: StructuredAnswer | None = None) -> EscalationReason | None:
+        """The reason to escalate a finished local answer, or None. ``answer``: ``job.text``
+        parsed under ``spec``, when the caller has parsed it already (edged's server parses each
+        local answer once, for these rules and for its result's plan); parsed here otherwise."""
         if msg.escalation is not Escalation.AUTO or not self.has_cloud:
             return None
         if job.finish_reason in (FinishReason.ABORT, FinishReason.DEADLINE):
             return None  # cancelled, or no time left for the cloud either
-        if spec is not None and not plan_is_valid(job.text, spec):
+        if spec is not None and answer is None:
+            answer = StructuredAnswer.parse(job.text, spec)
+        if answer is not None and not answer.is_valid:
             return EscalationReason.INVALID_PLAN
         mean = job.mean_logprob
         if mean is not None and mean < self.config.min_mean_logprob:
             return EscalationReason.LOW_CONFIDENCE
-        if self.config.check_task_names and spec is not None and msg.messages:
-            if unnamed(task_text(msg), job.text, spec):
+        if self.config.check_task_names and answer is not None and msg.messages:
+            if _left_out(task_text(msg), answer):
                 return EscalationReason.OFF_TASK
         return None
-
-
-def parse_structured(text: str, spec: GrammarSpec) -> dict | list | None:
-    """The JSON a structured answer holds (json_schema / json_object), else None."""
-    if spec.kind not in ("json_schema", "json_object"):
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
-
-
-def plan_is_valid(text: str, spec: GrammarSpec) -> bool:
-    """Does ``text`` satisfy ``spec``? JSON kinds parse (and validate against the schema);
-    regex and EBNF answers are complete exactly when the grammar accepted its end."""
-    if spec.kind not in ("json_schema", "json_object"):
-        return True
-    value = parse_structured(text, spec)
-    if value is None:
-        return False
-    return spec.kind != "json_schema" or _schema(spec).validator.is_valid(value)
 
 
 def task_text(msg: Generate) -> str:
@@ -162,35 +139,18 @@ def unnamed(task: str, text: str, spec: GrammarSpec) -> frozenset[str]:
     """The literals of ``spec``'s schema that ``task`` mentions and the structured answer
     ``text`` leaves out (see ``off_task`` above); empty for an answer that is not JSON or a spec
     without a schema."""
-    value = parse_structured(text, spec)
-    if value is None or spec.kind != "json_schema":
+    return _left_out(task, StructuredAnswer.parse(text, spec))
+
+
+def _left_out(task: str, answer: StructuredAnswer) -> frozenset[str]:
+    """``unnamed`` of an answer parsed already."""
+    if answer.value is None or answer.spec.kind != "json_schema":
         return frozenset()
-    schema = _schema(spec)
-    said = {v.casefold() for v in _nodes(value) if isinstance(v, str)}
+    schema = spec_schema(answer.spec)
+    said = {v.casefold() for v in answer.strings()}
     free = "\n".join(said - schema.folded_literals)  # NOTE: no name spans two values
     return frozenset(name for name in mentioned(task, schema.literals)
                      if name.casefold() not in said and not _find(name, free))
-
-
-@dataclass(frozen=True)
-class _Schema:
-    """What the rules need of a json_schema spec, derived once per spec (``_schema``)."""
-
-    validator: jsonschema.protocols.Validator  # checked against its metaschema when built
-    literals: frozenset[str]  # every const / enum string (``_literals``)
-    folded_literals: frozenset[str]  # the same, casefolded
-
-
-@functools.lru_cache(maxsize=SCHEMAS_CACHED)
-def _schema(spec: GrammarSpec) -> _Schema:
-    """``spec``'s schema, parsed, checked and walked once: ``jsonschema.validate`` re-checks
-    the schema on every call (~20 ms for a grounded plan's on the robot's CPU), once per local
-    answer on the serve loop. Raises ``jsonschema.SchemaError`` (not cached) as it did."""
-    schema = json.loads(spec.source)
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    literals = frozenset(_literals(schema))
-    return _Schema(cls(schema), literals, frozenset(name.casefold() for name in literals))
 
 
 def mentioned(text: str, names: frozenset[str]) -> frozenset[str]:
@@ -203,20 +163,3 @@ def mentioned(text: str, names: frozenset[str]) -> frozenset[str]:
 
 def _find(name: str, text: str) -> list[re.Match]:
     return list(re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", text, re.IGNORECASE))
-
-
-def _literals(schema: object) -> Iterator[str]:
-    """Every string a JSON schema allows by ``const`` or ``enum``, anywhere in it."""
-    for node in _nodes(schema):
-        if isinstance(node, dict):
-            const, enum = node.get("const"), node.get("enum")
-            yield from [const] if isinstance(const, str) else []
-            yield from (v for v in enum if isinstance(v, str)) if isinstance(enum, list) else []
-
-
-def _nodes(value: object) -> Iterator[object]:
-    """A JSON value and every value inside it, depth first (not the keys of its objects)."""
-    yield value
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    for child in children:
-        yield from _nodes(child)

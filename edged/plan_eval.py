@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 from robot_sdk.client import PlanClient
 from robot_sdk.errors import InvalidPlan, PlanError
-from robot_sdk.plan_budget import max_plan_tokens
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
 from robot_sdk.scene import Scene, SceneKind
 from robot_sdk.skills import Arg, Skill
-from robot_sdk.validate import CheckedPlan, PlanChecker
+from robot_sdk.validate import PlanChecker
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.response_format import grammar_spec
 from shared.engine.sampling_params import SamplingParams
+from shared.plan.budget import max_plan_tokens
+from shared.plan.check import CheckedPlan
 
 if TYPE_CHECKING:  # NOTE: the model's modules load torch; the CLI imports this module to list its choices
     from edged.generation import Batch1Generator

@@ -1,6 +1,6 @@
 """robot_sdk: the Python client robots use to get plans from edged or cloudd.
 
-Imports only ``shared.protocol`` and ``shared.transport`` (never torch), so it runs on any
+Imports only ``shared.protocol``, ``shared.transport`` and ``shared.plan`` (never torch), so it runs on any
 robot computer. See ``examples/pick_and_place.py`` for a complete client.
 """
 
@@ -8,9 +8,10 @@ from robot_sdk.aio import AsyncPlanClient
 from robot_sdk.client import DEADLINE_GRACE_S, PlanClient
 from robot_sdk.errors import (Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, PlanError, Rejected,
                               Unavailable)
-from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStep, PlanStepEvent, PlanText
+from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStepEvent, PlanText
 from robot_sdk.scene import Person, Place, Scene, Thing
 from robot_sdk.skills import Arg, Skill, as_skills, skill
+from shared.plan.check import PlanStep
 from shared.protocol.messages import Escalation, Priority
 
 __all__ = [

@@ -22,20 +22,20 @@ from typing import Any
 import zmq
 
 from robot_sdk.errors import Cancelled, DeadlineExceeded, InvalidPlan, Unavailable, error_from_reply
-from robot_sdk.plan_budget import max_plan_tokens, steps_that_fit
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
 from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStepEvent, PlanText
 from robot_sdk.scene import Scene
 from robot_sdk.skills import Skill, as_skills
 from robot_sdk.step_scanner import StepScanner
 from robot_sdk.validate import PlanChecker
+from shared.plan.budget import max_plan_tokens, steps_that_fit
+from shared.plan.schema import DEFAULT_MAX_STEPS
 from shared.protocol.messages import (ChatMessage, Chunk, Error, ErrorCode, Escalation, Generate, Priority, Result,
                                       Sampling)
 from shared.transport.client import Call, ClientConfig, FleetClient, Reply, RequestFailed
 from shared.transport.curve import ClientCurve
 
 DEADLINE_GRACE_S = 0.5  # past deadline_ms, how long to wait for the daemon's own deadline reply
-DEFAULT_MAX_STEPS = 8  # the daemon's default for a skills plan
 SCHEMA_MAX_TOKENS = 384  # a schema= plan's default max_tokens: an arbitrary schema has no known bound
 SkillLike = Skill | Callable[..., Any] | type
 
@@ -89,10 +89,10 @@ class PlanClient:
         nothing else and the plan is checked against it.
 
         ``max_tokens`` None (the default) is room for ``max_steps`` complete steps of these
-        skills in this scene, whatever the model's tokenizer (``plan_budget.max_plan_tokens``),
+        skills in this scene, whatever the model's tokenizer (``shared.plan.budget.max_plan_tokens``),
         so no default cuts a plan short; for a ``schema`` plan it is ``SCHEMA_MAX_TOKENS``. A
         given ``max_tokens`` sets the grammar's step bound: as many steps (up to ``max_steps``)
-        as it surely holds (``plan_budget.steps_that_fit``), so a plan always closes;
+        as it surely holds (``shared.plan.budget.steps_that_fit``), so a plan always closes;
         ValueError when not even one step fits.
 
         Raises DeadlineExceeded, Rejected, Unavailable, InvalidPlan (the answer breaks the skills,

@@ -1,4 +1,4 @@
-"""What the SDK hands back: ``Plan`` (of ``PlanStep``\\s), the stream events, ``ChatReply``.
+"""What the SDK hands back: ``Plan`` (of ``shared.plan``'s ``PlanStep``\\s), the stream events, ``ChatReply``.
 
 All are frozen and built only from replies that passed validation, so a caller never sees a
 plan step that is not a call of a declared skill with correctly typed arguments.
@@ -10,16 +10,9 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from shared.plan.check import PlanStep
+
 Source = Literal["edge", "cloud"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanStep:
-    skill: str
-    args: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"skill": self.skill, "args": dict(self.args)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,13 +8,14 @@ from dataclasses import replace
 import pytest
 
 from edged.circuit import BreakerState, CircuitBreaker
-from edged.escalation import (EscalationConfig, EscalationPolicy, EscalationReason, _schema, mentioned,
-                              plan_is_valid, task_text, unnamed)
+from edged.escalation import EscalationConfig, EscalationPolicy, EscalationReason, mentioned, task_text, unnamed
 from edged.generation import LocalJob
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
+from shared.plan.answer import plan_is_valid
+from shared.plan.answer import spec_schema as _schema
 from shared.protocol.messages import ChatMessage, Escalation, Generate, Sampling
 
 CLOUD = EscalationConfig(cloud_endpoint="tcp://127.0.0.1:1", escalate_tags=("multi-floor",), min_mean_logprob=-1.0)

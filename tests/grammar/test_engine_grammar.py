@@ -15,10 +15,11 @@ import pytest
 from cloudd.trace import load_trace
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec, plan_schema
+from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
 from shared.engine.request import FinishReason, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.model.llama import build_model
+from shared.plan.schema import plan_schema
 
 TRACE = Path(__file__).with_name("robot_tasks.jsonl")  # the first 100 requests of fleet-256
 PLAN = plan_schema(FLEET_SKILLS)

@@ -9,11 +9,11 @@ import time
 import pytest
 import xgrammar as xgr
 
-from robot_sdk.plan_budget import max_plan_tokens, steps_that_fit
 from robot_sdk.prompt import response_format
 from robot_sdk.scene import Place, Scene
 from robot_sdk.skills import Skill, skill
 from shared.engine.grammar.response_format import grammar_spec
+from shared.plan.budget import max_plan_tokens, steps_that_fit
 
 
 @skill

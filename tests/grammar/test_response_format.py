@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from shared.engine.grammar.response_format import (FLEET_SKILLS, FREE_TEXT_PATTERN, GrammarSpec, grammar_spec,
-                                                   plan_schema)
+from shared.engine.grammar.response_format import FLEET_SKILLS, GrammarSpec, grammar_spec
+from shared.plan.schema import FREE_TEXT_PATTERN, plan_schema
 
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}, "a": {"type": "string"}}}
 GOTO = {"name": "goto", "description": "drive", "args": {"waypoint": "string", "speed": "number"}}

@@ -18,7 +18,7 @@ from fleetserve_interfaces.srv import GetPlan  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 
-from robot_sdk.plan_budget import max_plan_tokens, steps_that_fit  # noqa: E402
+from shared.plan.budget import max_plan_tokens, steps_that_fit  # noqa: E402
 from robot_sdk.ros.skill_sets import load_skill_sets  # noqa: E402
 from robot_sdk.scene import Scene  # noqa: E402
 from shared.daemon_process import DaemonProcess  # noqa: E402

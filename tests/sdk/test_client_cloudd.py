@@ -14,10 +14,10 @@ import pytest
 
 from robot_sdk import (AsyncPlanClient, Cancelled, DeadlineExceeded, InvalidPlan, PlanClient, PlanDone, PlanStepEvent,
                        PlanText, skill)
-from robot_sdk.plan_budget import max_plan_tokens
 from robot_sdk.skills import as_skills
 from shared.daemon_process import DaemonProcess
-from shared.engine.grammar.response_format import plan_schema
+from shared.plan.budget import max_plan_tokens
+from shared.plan.schema import plan_schema
 from shared.protocol.messages import ErrorCode
 from shared.transport.client import FleetClient
 

@@ -13,8 +13,8 @@ import pytest
 from robot_sdk import (AsyncPlanClient, Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, Place, PlanClient,
                        PlanDone, PlanError, PlanStep, PlanStepEvent, PlanText, Rejected, Scene, Unavailable, skill)
 from robot_sdk.client import SCHEMA_MAX_TOKENS
-from robot_sdk.plan_budget import max_plan_tokens
 from robot_sdk.skills import as_skills
+from shared.plan.budget import max_plan_tokens
 from shared.protocol.messages import Error, ErrorCode, Escalation, Priority, Source
 from tests.sdk.fake_daemon import FakeDaemon, chunks, result
 

@@ -20,16 +20,17 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from robot_sdk.plan_budget import max_plan_tokens, steps_that_fit
 from robot_sdk.prompt import response_format
 from robot_sdk.ros.skill_sets import load_skill_sets, skills_of
 from robot_sdk.scene import Scene
 from robot_sdk.skills import Arg, Skill, as_skills
 from shared.config import model_cache_dir
 from shared.engine.grammar.compiler import GrammarCompiler
-from shared.engine.grammar.response_format import MAX_STRING_CHARS, grammar_spec
+from shared.engine.grammar.response_format import grammar_spec
 from shared.model.checkpoint import load_tokenizer
 from shared.model.fetch import MODELS
+from shared.plan.budget import max_plan_tokens, steps_that_fit
+from shared.plan.schema import MAX_STRING_CHARS
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8  # PlanClient's and the node's default

@@ -12,7 +12,8 @@ import pytest
 from robot_sdk import Skill, skill
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
 from robot_sdk.skills import as_skills
-from shared.engine.grammar.response_format import MANIPULATOR_SKILLS, grammar_spec, plan_schema
+from shared.engine.grammar.response_format import MANIPULATOR_SKILLS, grammar_spec
+from shared.plan.schema import plan_schema
 
 
 class Grasp(enum.Enum):

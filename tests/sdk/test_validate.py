@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from robot_sdk import InvalidPlan, PlanStep, Skill
 from robot_sdk.validate import PlanChecker
-from shared.engine.grammar.response_format import plan_schema
+from shared.plan.schema import plan_schema
 
 SKILLS = (
     Skill.of("goto", "drive to a waypoint", {"waypoint": "string", "speed": "number"}),
