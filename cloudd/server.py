@@ -27,9 +27,11 @@ import zmq
 from cloudd.metrics import ServerMetrics
 from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
 from shared.engine.engine import DeadlineUnmeetable, Engine, PreparedPrompt, TokenDelta
+from shared.engine.grammar.response_format import GrammarSpec
 from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary
+from shared.plan.answer import StructuredAnswer
 from shared.protocol.messages import Error, ErrorCode, Generate, Result, Source, Usage
 from shared.transport.curve import Caller, ClientCurve
 from shared.transport.loopback import is_loopback
@@ -135,6 +137,7 @@ class CloudServer(Lane[CloudPrepared]):
                                     model_summary=ModelSummary.of(model_name, engine.runner.model.config))
         self.metrics = ServerMetrics(config.max_robot_labels)
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
+        self._specs: dict[str, GrammarSpec] = {}  # the grammar of each live constrained request (its plan)
         self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
         self.front: RequestFront[CloudPrepared] = RequestFront(self, config.front(self.inproc_endpoint), context,
                                                               on_frame_dropped=self.metrics.frames_dropped.inc)
@@ -148,9 +151,15 @@ class CloudServer(Lane[CloudPrepared]):
     # --- the lane ---------------------------------------------------------------------------------
 
     def refusal(self, msg: Generate) -> Error | None:
+        """A full queue; token ids that cannot fit ``max_model_len`` (refused before any work:
+        a frame of 131,072 ids is not even prepared)."""
         queued = self.engine.scheduler
         if len(queued.waiting) + len(queued.awaiting_grammar) + len(self.front.preparer) >= self.config.max_waiting:
             return Error(ErrorCode.REJECTED, f"overloaded: {self.config.max_waiting} requests waiting", msg.request_id)
+        tokens, limit = len(msg.prompt_ids) + len(msg.resume_token_ids), queued.config.max_model_len
+        if tokens >= limit:
+            return Error(ErrorCode.INVALID_REQUEST, f"prompt_ids and resume_token_ids hold {tokens} tokens: "
+                         f"no room for output within max_model_len {limit}", msg.request_id)
         return None
 
     def prepares_here(self, size: int) -> bool:
@@ -174,6 +183,8 @@ class CloudServer(Lane[CloudPrepared]):
         except ValueError as e:
             raise Refused(Error(ErrorCode.INVALID_REQUEST, str(e), rid)) from e
         self._requests[rid] = self.engine.get_request(rid)
+        if prepared.prompt.spec is not None:
+            self._specs[rid] = prepared.prompt.spec
         self.monitor.on_submit(msg.robot_id)
 
     def cancelled_before_start(self, request_id: str, prepared: CloudPrepared) -> Result:
@@ -223,8 +234,11 @@ class CloudServer(Lane[CloudPrepared]):
             self._finish(self._requests.pop(delta.request_id))
 
     def _finish(self, req: Request) -> None:
-        """Send ``req``'s result; one that failed in the engine (finish reason ``error``) is
-        answered ``internal`` instead, and forgotten, so that a retry runs it again."""
+        """Send ``req``'s result, with its ``plan`` when its grammar is JSON and its text decodes to
+        an object (the one parse of a cloud answer: edged and the SDK read it); one that failed in
+        the engine (finish reason ``error``) is answered ``internal`` instead, and forgotten, so
+        that a retry runs it again."""
+        spec = self._specs.pop(req.request_id, None)
         record = RequestRecord.of(req, self.monitor.clock())
         self.monitor.on_finish(record)
         self.metrics.on_finish(record)
@@ -234,13 +248,15 @@ class CloudServer(Lane[CloudPrepared]):
                                                     req.request_id))
             return
         entry = self.front.live(req.request_id)
+        text = "".join(entry.text)
         self.front.finish(req.request_id, Result(
             request_id=req.request_id,
-            text="".join(entry.text),
+            text=text,
             finish_reason=record.finish_reason,
             usage=Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens),
             token_ids=tuple(entry.token_ids),
             source=Source.CLOUD,
+            plan=None if spec is None else StructuredAnswer.parse(text, spec).plan,
             timings=record.timings(),
             detail=_detail(req),
         ))
@@ -250,6 +266,7 @@ class CloudServer(Lane[CloudPrepared]):
         for rid in list(self._requests):
             self.engine.abort(rid)
             self._requests.pop(rid)
+            self._specs.pop(rid, None)
             self.front.finish(rid, Error(ErrorCode.INTERNAL, why, rid))
         log.info("failed live requests: %s", why)
 

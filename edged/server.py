@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import zmq
 
 from edged.cloud_link import CloudLink
-from edged.escalation import EscalationPolicy, EscalationReason, parse_structured
+from edged.escalation import EscalationPolicy, EscalationReason
 from edged.escalation_state import Cloud, EscalationState, Local, Verdict
 from edged.generation import LocalJob
 from edged.local_worker import LocalWorker, QueuedJob
@@ -45,6 +45,7 @@ from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary, model_stats
+from shared.plan.answer import StructuredAnswer
 from shared.protocol.messages import Error, ErrorCode, Generate, Result, Source, Usage
 from shared.transport.curve import Caller
 from shared.transport.loopback import is_local_endpoint
@@ -106,6 +107,7 @@ class EdgeRequest:
     prompt_ids: list[int]
     spec: GrammarSpec | None
     deadline: float | None
+    answer: StructuredAnswer | None = None  # the local answer parsed under ``spec``, once it is done
     state: EscalationState = field(default_factory=lambda: EscalationState(Local.NONE))
     reason: EscalationReason | None = None
     local: QueuedJob | None = None
@@ -248,8 +250,10 @@ class EdgeServer(Lane[Prepared]):
             return
         req.state.local_done()
         job = req.local.job
+        if req.spec is not None:  # parsed once: for the escalation rules and for the result's plan
+            req.answer = StructuredAnswer.parse(job.text, req.spec)
         if req.reason is None and job.error is None:
-            reason = self.policy.after(req.msg, job, req.spec)
+            reason = self.policy.after(req.msg, job, req.spec, req.answer)
             if reason is not None:
                 req.reason = reason
                 self._escalate(req)
@@ -350,7 +354,7 @@ class EdgeServer(Lane[Prepared]):
             request_id=req.msg.request_id, text=job.text, finish_reason=job.finish_reason.value,
             usage=Usage(len(job.prompt_ids), len(job.generated), job.reused_tokens),
             token_ids=tuple(job.generated), source=Source.EDGE,
-            plan=_plan(job.text, req.spec), degraded=degraded,
+            plan=None if req.answer is None else req.answer.plan, degraded=degraded,
             escalation_reason=req.reason.value if req.reason else None, timings=timings,
             detail="; ".join(details) or None,
         )
@@ -360,7 +364,6 @@ class EdgeServer(Lane[Prepared]):
         timings["e2e_s"] = time.monotonic() - req.received
         timings["cloud_s"] = time.monotonic() - req.call.started
         return replace(cloud, request_id=req.msg.request_id, source=Source.CLOUD, degraded=False,
-                       plan=cloud.plan if cloud.plan is not None else _plan(cloud.text, req.spec),
                        escalation_reason=req.reason.value, timings=timings)
 
     def _answer(self, req: EdgeRequest, result: Result) -> None:
@@ -429,9 +432,3 @@ class EdgeServer(Lane[Prepared]):
             "decode_tok_s": round(self.worker.rate.decode_tok_s, 1),
             "prefill_tok_s": round(self.worker.rate.prefill_tok_s, 1),
         }
-
-
-def _plan(text: str, spec: GrammarSpec | None):
-    value = parse_structured(text, spec) if spec is not None else None
-    return value if isinstance(value, dict) else None
-
