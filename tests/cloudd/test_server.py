@@ -543,3 +543,23 @@ def test_a_deadline_counts_from_arrival_not_from_when_the_prompt_was_prepared():
         reply = peer.recv()
         assert isinstance(reply, Error) and reply.code is ErrorCode.DEADLINE
         peer.close()
+
+
+def test_token_ids_past_max_model_len_are_refused_before_they_are_prepared():
+    """Found in review: frames of 131,072 prompt_ids (or resume_token_ids) were decoded and
+    prepared before the engine refused them, stalling every other robot for seconds."""
+    with running_server() as srv:
+        prepared = []
+        prepare = srv.engine.prepare
+        srv.engine.prepare = lambda prompt, response_format=None: prepared.append(1) or prepare(prompt, response_format)
+        limit = srv.engine.scheduler.config.max_model_len
+        peer = Peer(srv.endpoint)
+        for request_ in (gen("huge", prompt=[7] * limit), Generate("huge-resume", prompt_ids=PROMPT,
+                                                                     resume_token_ids=(7,) * limit)):
+            peer.send(request_)
+            reply = peer.recv()
+            assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_REQUEST
+            assert "max_model_len" in reply.message
+        peer.send(gen("fits"))
+        assert isinstance(peer.until_result()[1], Result) and prepared == [1]
+        peer.close()
