@@ -7,7 +7,8 @@ import pytest
 
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.grammar.limits import MAX_REPETITION, MAX_SKILLS, json_depth, repetition_product
+from shared.engine.grammar.limits import MAX_REPETITION, json_depth, repetition_product
+from shared.plan.schema import MAX_SKILLS
 from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import SchedulerConfig

@@ -12,8 +12,8 @@ ValueError naming the bound:
   (``(a{1,99}){1,99}`` is 9,801): each bound copies its pattern into the automaton, and a
   24-character nested repeat had made every step's mask fill take seconds. ``*``, ``+`` and
   ``?`` are loops, not copies, and count 1;
-- a skills plan of more than ``MAX_SKILLS`` skills, refused before its schema is built (2,000
-  skills took 195 ms of building under the interpreter lock, stalling every thread).
+- a skills plan of more than ``shared.plan.schema.MAX_SKILLS`` skills, refused by the plan
+  format before its schema is built.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 MAX_GRAMMAR_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 32
 MAX_REPETITION = 1_024
-MAX_SKILLS = 256
 
 _COUNTED = re.compile(r"\{(\d+)(,(\d*))?\}")
 
