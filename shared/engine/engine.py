@@ -536,7 +536,8 @@ def _make_tiers(config: EngineConfig, pool: BlockPool, runner: ModelRunner,
         raise ValueError(f"[hicache] host_pool_mb {hc.host_pool_mb} holds no page ({size} bytes each)")
     # whose pages these are: the weights, and each layer's KV dtype and block shape (not the pool's size)
     namespace = repr((weights_fingerprint(runner.model), [(str(k.dtype), tuple(k.shape[1:])) for k, _ in runner.kv_caches]))
-    disk = DiskTier(hc.disk_dir, int(hc.disk_max_mb * 2**20) // size, namespace.encode()) if hc.disk_dir else None
+    max_pages = max(1, int(hc.disk_max_mb * 2**20) // size)  # a bound below one page still bounds
+    disk = DiskTier(hc.disk_dir, max_pages, namespace.encode()) if hc.disk_dir else None
     copier = TierCopier(runner.kv_caches, num_host_pages, disk)
     return HiCache(hc, pool, copier, num_host_pages, disk, recompute_seconds,
                    layerwise=hc.layerwise_for(on_gpu=runner.device.type == "cuda"))

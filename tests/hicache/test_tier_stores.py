@@ -122,6 +122,7 @@ def test_host_pool_matches_naive_lru(num_pages, ops):
     ({"write_through_threshold": 0}, "write_through_threshold"),
     ({"host_pool_mb": 0}, "host_pool_mb"),
     ({"disk_max_mb": -1}, "disk_max_mb"),
+    ({"disk_max_mb": 0}, "disk_max_mb"),  # found in review: 0 meant unbounded (992 MB after 50k prompt tokens)
     ({"min_load_tokens": -5}, "min_load_tokens"),
 ])
 def test_bad_config_names_the_key(bad, key):

@@ -16,7 +16,9 @@ class HiCacheConfig:
     write_through_threshold: int = 2
     host_pool_mb: float = 1024.0  # host tier size (pinned on a GPU machine)
     disk_dir: str = ""  # "" = no disk tier; pages are files keyed by their content hash chain
-    disk_max_mb: float = 0.0  # 0 = unbounded; beyond it the least recently used pages go
+    # the disk tier's bound (> 0: an unbounded one filled 992 MB in 50k prompt tokens); beyond it
+    # the least recently used pages go
+    disk_max_mb: float = 4096.0
     # Cost model: a lower-tier hit shorter than this is recomputed, never loaded; longer ones
     # load only when the estimated copy time beats the estimated recompute time.
     min_load_tokens: int = 64
@@ -34,8 +36,8 @@ class HiCacheConfig:
             raise ValueError(f"write_through_threshold must be >= 1, got {self.write_through_threshold}")
         if not self.host_pool_mb > 0:
             raise ValueError(f"host_pool_mb must be > 0, got {self.host_pool_mb}")
-        if self.disk_max_mb < 0:
-            raise ValueError(f"disk_max_mb must be >= 0, got {self.disk_max_mb}")
+        if not self.disk_max_mb > 0:  # NaN fails too
+            raise ValueError(f"disk_max_mb must be > 0 (the disk tier is always bounded), got {self.disk_max_mb}")
         if self.min_load_tokens < 0:
             raise ValueError(f"min_load_tokens must be >= 0, got {self.min_load_tokens}")
         if self.layerwise_load not in ("auto", "on", "off"):
