@@ -72,6 +72,8 @@ class ExecutionLog:
         self._write({"start": request_id})
 
     def ended(self, request_id: str, how: str, kept: KeptResult | None = None) -> None:
+        if self._fd is None or self._failed:  # NOTE: before kept.as_json(), which encodes the whole result
+            return
         record = {"end": request_id, "how": how}
         if kept is not None:
             record["kept"] = kept.as_json()

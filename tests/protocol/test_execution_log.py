@@ -69,3 +69,9 @@ def test_an_id_s_last_line_decides_and_an_unreadable_record_is_skipped(tmp_path)
         f.write('{"end": "amr-1/c", "how": "stop", "kept": {"fp": "zz", "result": "not base64"}}\n')
     assert read_kept_results(path, max_age_s=300, now=1100.0) == [kept("amr-1/b", 1002.0, "new")]
     assert read_kept_results(tmp_path / "missing.jsonl", max_age_s=300) == []
+
+
+def test_without_a_journal_a_result_is_not_encoded(monkeypatch):
+    monkeypatch.setattr(KeptResult, "as_json", lambda self: (_ for _ in ()).throw(AssertionError("encoded")))
+    ExecutionLog(None).ended("amr-1/a", "stop", kept("amr-1/a", 1000.0))
+
