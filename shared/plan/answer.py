@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import jsonschema
-
 if TYPE_CHECKING:  # NOTE: response_format imports shared.plan.schema; this module needs only the type
+    import jsonschema
+
     from shared.engine.grammar.response_format import GrammarSpec
 
 JSON_KINDS = ("json_schema", "json_object")
@@ -79,6 +79,8 @@ def spec_schema(spec: GrammarSpec) -> SpecSchema:
     """``spec``'s schema, parsed, checked and walked once: ``jsonschema.validate`` re-checks
     the schema on every call (~20 ms for a grounded plan's on the robot's CPU), once per local
     answer on edged's serve loop. Raises ``jsonschema.SchemaError`` (not cached)."""
+    import jsonschema  # NOTE: not at the top: robot_sdk imports shared.plan, never validates (~80 ms)
+
     schema = json.loads(spec.source)
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)

@@ -12,3 +12,13 @@ def test_importing_the_plan_format_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_importing_robot_sdk_and_the_plan_format_leaves_jsonschema_to_the_first_validation():
+    code = ("import sys, robot_sdk, shared.plan; before = 'jsonschema' in sys.modules; "
+            "from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec; "
+            "shared.plan.spec_schema(grammar_spec(fleet_plan_format())); "
+            "print(before, 'jsonschema' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False True", out.stdout
