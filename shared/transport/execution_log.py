@@ -120,19 +120,23 @@ def read_kept_results(path: str | Path, max_age_s: float, now: float | None = No
     that does not read is skipped (and said in the log): it costs a retry a second run, never
     the start-up."""
     now = time.time() if now is None else now
-    latest: dict[str, KeptResult | None] = {}
-    unreadable = 0
+    latest: dict[str, dict | None] = {}  # the raw record: only the young survivors are decoded
     for record in _records(path) if Path(path).expanduser().exists() else ():
         if "start" in record:
             latest[record["start"]] = None
         elif "kept" in record:
-            try:
-                latest[record["end"]] = KeptResult.from_json(record["end"], record["kept"])
-            except (ValueError, KeyError, TypeError, ProtocolError):
-                unreadable += 1
+            latest[record["end"]] = record["kept"]
+    kept, unreadable = [], 0
+    for request_id, value in latest.items():
+        if value is None:
+            continue
+        try:
+            if now - float(value["at"]) <= max_age_s:
+                kept.append(KeptResult.from_json(request_id, value))
+        except (ValueError, KeyError, TypeError, ProtocolError):
+            unreadable += 1
     if unreadable:
         log.warning("%s: %d kept results unreadable, skipped", path, unreadable)
-    kept = [k for k in latest.values() if k is not None and now - k.finished_at <= max_age_s]
     return sorted(kept, key=lambda k: k.finished_at)
 
 

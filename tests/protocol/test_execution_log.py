@@ -75,3 +75,18 @@ def test_without_a_journal_a_result_is_not_encoded(monkeypatch):
     monkeypatch.setattr(KeptResult, "as_json", lambda self: (_ for _ in ()).throw(AssertionError("encoded")))
     ExecutionLog(None).ended("amr-1/a", "stop", kept("amr-1/a", 1000.0))
 
+
+def test_only_the_young_results_are_decoded_at_start_up(tmp_path, monkeypatch):
+    path = tmp_path / "executions.jsonl"
+    log = ExecutionLog(path)
+    log.ended("amr-1/old", "stop", kept("amr-1/old", 500.0))
+    log.ended("amr-1/gone", "stop", kept("amr-1/gone", 1000.0))
+    log.started("amr-1/gone")
+    log.ended("amr-1/new", "stop", kept("amr-1/new", 1000.0))
+    log.close()
+    decoded = []
+    from_json = KeptResult.from_json.__func__
+    monkeypatch.setattr(KeptResult, "from_json",
+                        classmethod(lambda cls, rid, value: decoded.append(rid) or from_json(cls, rid, value)))
+    assert read_kept_results(path, max_age_s=300, now=1100.0) == [kept("amr-1/new", 1000.0)]
+    assert decoded == ["amr-1/new"]
