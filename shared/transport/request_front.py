@@ -159,11 +159,11 @@ class Lane(ABC, Generic[P]):
 class FrontCounters:
     requests: int = 0  # new requests (not retries) that arrived
     rejected: int = 0  # of which were answered with an error before they ran
-    frames_dropped: int = 0  # frames past their sender's rate, dropped unread
 
 
 class RequestFront(Generic[P]):
-    """The lifecycle for ``lane``; ``endpoints`` holds the bound addresses once constructed."""
+    """The lifecycle for ``lane``; ``endpoints`` holds the bound addresses once constructed.
+    ``on_frame_dropped`` runs on the socket's thread for each frame past its sender's rate."""
 
     def __init__(self, lane: Lane[P], config: FrontConfig, context: zmq.Context | None = None,
                  on_frame_dropped: Callable[[], None] = lambda: None):
@@ -181,11 +181,10 @@ class RequestFront(Generic[P]):
         self.draining = False
         self._stop = threading.Event()
         self._turn_began: float | None = None  # when the loop's current turn began (None: idle)
-        self._on_frame_dropped = on_frame_dropped
         self.curve = (ServerCurve(self.context, config.curve_secret_key, config.curve_authorized_dir,
                                   config.curve_operator_dir or None) if config.curve_secret_key else None)
         self.socket_front = SocketFront(self.context, config.endpoints, self.curve,
-                                  RobotQuotas(config.frame_quota), self.health, self._deliver, self._frame_dropped)
+                                  RobotQuotas(config.frame_quota), self.health, self._deliver, on_frame_dropped)
         self.endpoints = self.socket_front.endpoints
 
     # --- the loop ------------------------------------------------------------------------------
@@ -263,11 +262,6 @@ class RequestFront(Generic[P]):
             log.error("SIGHUP: keys not reloaded, the previous ones stay in force: %s", e)
             return
         log.info("SIGHUP: keys reloaded: %d robots, %d operators", robots, operators)
-
-    def _frame_dropped(self) -> None:
-        """The socket's thread: a frame past its sender's rate."""
-        self.counters.frames_dropped += 1
-        self._on_frame_dropped()
 
     def _deliver(self, inbound: Inbound) -> None:
         """The socket's thread: hand a message to the loop."""
