@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared.config import load_engine_config
+from shared.config import load_engine_config, load_section
 from shared.engine.engine_config import EngineConfig
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ def engine_config_from(args, offline: bool = False, compile_by_default: bool = T
         num_blocks=8192, compile=compile_by_default, time_kernels=compile_by_default,
         scheduler=SchedulerConfig(**OFFLINE_SCHEDULER) if offline else SchedulerConfig())
     if args.config:
-        from shared.config import load_section
         from shared.engine.kv.hicache_config import HiCacheConfig
 
         base = dataclasses.replace(base, hicache=load_section(args.config, "hicache", HiCacheConfig))
@@ -63,7 +62,6 @@ class ModelTable:
 def model_path_from(args) -> Path:
     """``--model``, else the config's ``[model] name``, else the embedded default model: a known
     name is fetched (``shared.model.fetch.resolve_model``); ValueError for anything else."""
-    from shared.config import load_section
     from shared.model.fetch import ensure_default_model, resolve_model
 
     spec = args.model or (load_section(args.config, "model", ModelTable).name if getattr(args, "config", None) else "")
@@ -88,7 +86,6 @@ def build_serving_engine(args) -> ServingEngine:
     import concurrent.futures
 
     from cloudd.server import ServeConfig
-    from shared.config import load_section
     from shared.engine.engine import Engine
     from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
     from shared.model.weight_cache import load_model
