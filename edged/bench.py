@@ -47,10 +47,10 @@ from edged.speculation import NgramIndex, SpeculationConfig, recent_outputs, rem
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
-from shared.plan.schema import plan_schema
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import load_checkpoint
+from shared.plan.schema import plan_schema
 from shared.progress import Progress
 
 BASELINES = ("llamacpp",)
