@@ -75,12 +75,10 @@ class SocketFront:
         self._replies_out.send_multipart([identity, encode(msg)])
 
     def close(self) -> None:
-        """Stop the thread (the replies sent before this call still go out) and close the socket."""
+        """After ``start``: stop the thread (the replies sent before this call still go out); the
+        thread closes the socket as it ends, whether it stopped or failed."""
         self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        else:
-            self._close_sockets()
+        self._thread.join()
         self._replies_out.close()
 
     def _run(self) -> None:
