@@ -53,6 +53,7 @@ from shared.transport.socket_front import Inbound, SocketFront
 
 log = logging.getLogger(__name__)
 P = TypeVar("P")
+MESSAGES_PER_TURN = 1000  # the most events one turn of the loop runs before the lane's work
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,6 @@ class FrontConfig:
     curve_secret_key: str = ""
     curve_authorized_dir: str = ""
     curve_operator_dir: str = ""
-    messages_per_turn: int = 1000  # the most events one turn of the loop runs before the lane's work
 
 
 class Refused(Exception):
@@ -212,7 +212,7 @@ class RequestFront(Generic[P]):
                 events = dict(poller.poll(self.lane.wait_ms()))
                 self._turn_began = time.monotonic()
                 if self.mailbox.fd in events:
-                    self.mailbox.run(limit=self.config.messages_per_turn)
+                    self.mailbox.run(limit=MESSAGES_PER_TURN)
                 self.lane.work()
                 self.ledger.expire(time.monotonic())
                 self._turn_began = None
