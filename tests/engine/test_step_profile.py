@@ -7,7 +7,7 @@ import torch
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.step_profile import PHASES, StepProfile, matmul_peak_flops
+from shared.engine.step_profile import PHASES, StepProfile, matmul_peak_flops, timed_phase
 from tests.engine.tiny import tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]  # no shared prefix: every token is computed
@@ -31,6 +31,24 @@ def test_profile_times_every_step_and_counts_the_model_flops():
                 + 2 * cfg.hidden_size * cfg.vocab_size * MAX_TOKENS * len(PROMPTS))
     assert profile.computed_tokens == sum(lengths)
     assert profile.flops == expected
+
+
+class Phased:
+    def __init__(self):
+        self.profile: StepProfile | None = None
+
+    @timed_phase("update")
+    def work(self, x, plus=0):
+        return x + plus
+
+
+def test_timed_phase_counts_a_call_only_while_profiling():
+    obj = Phased()
+    assert obj.work(2, plus=1) == 3  # not profiling: the call alone
+    obj.profile = StepProfile()
+    assert obj.work(2, plus=1) == 3
+    assert obj.profile.seconds["update"] > 0
+    assert all(s == 0 for name, s in obj.profile.seconds.items() if name != "update")
 
 
 def test_report_gives_shares_host_time_and_the_peak_fraction():
