@@ -91,7 +91,7 @@ class CloudCall:
     """The cloud's side of an escalated request: when it went out and when it is given up, and
     what came of it (``state.cloud`` says which of these hold)."""
 
-    started: float | None = None
+    started: float | None = None  # set with give_up as the call goes out (Cloud.WAITING)
     give_up: float | None = None
     result: Result | None = None  # Cloud.ANSWERED
     error: str | None = None  # Cloud.FAILED: why the cloud gave no answer
@@ -165,7 +165,7 @@ class EdgeServer(Lane[Prepared]):
             self.cloud.close()
 
     def wait_ms(self) -> int:
-        timers = [r.call.give_up for r in self.live.values() if r.cloud_waiting and r.call.give_up]
+        timers = [r.call.give_up for r in self.live.values() if r.cloud_waiting]
         if not timers:
             return 100
         return max(0, min(100, int((min(timers) - time.monotonic()) * 1000) + 1))
@@ -313,7 +313,7 @@ class EdgeServer(Lane[Prepared]):
         """The cloud calls past their time: given up, answered locally."""
         now = time.monotonic()
         for req in list(self.live.values()):
-            if req.cloud_waiting and req.call.give_up is not None and now >= req.call.give_up:
+            if req.cloud_waiting and now >= req.call.give_up:
                 self._cloud_failed(req, "the cloud did not answer in time")
                 self.cloud.abandon(req.msg.request_id)
                 self._settle(req)
