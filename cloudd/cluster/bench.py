@@ -18,9 +18,9 @@ from pathlib import Path
 from cloudd.cluster.app import deploy
 from cloudd.cluster.config import ClusterConfig
 from cloudd.cluster.front import ClusterFront
-from cloudd.server import ServeConfig
 from cloudd.cluster.ray_runtime import import_ray, start_ray, stop_ray
 from cloudd.serve_bench import Log, ServeBenchOptions, format_serve_run, load_requests, report, run_one
+from cloudd.server import ServeConfig
 
 
 @dataclasses.dataclass(frozen=True)
