@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -12,13 +13,17 @@ from collections.abc import Callable
 class Mailbox:
     """Callables posted from any thread, run on the loop's thread by ``run``. ``fd`` is readable
     while events wait. Posting never blocks (the wake-up pipe holds at most one byte that
-    matters; a full pipe already wakes the loop)."""
+    matters; a full pipe already wakes the loop). After ``close`` a post is dropped: a worker
+    that outlives the loop (a prepare still running at shutdown) never writes to a descriptor
+    number the process has since given to another file."""
 
     def __init__(self) -> None:
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
+        self._closing = threading.Lock()  # held by a wake-up's write and by close
+        self._closed = False
 
     @property
     def fd(self) -> int:
@@ -31,10 +36,13 @@ class Mailbox:
 
     def wake(self) -> None:
         """Any thread: make the loop's poll return."""
-        try:
-            os.write(self._write, b"x")
-        except (BlockingIOError, OSError):  # a wake-up is pending already (or the mailbox is closed)
-            pass
+        with self._closing:
+            if self._closed:
+                return
+            try:
+                os.write(self._write, b"x")
+            except BlockingIOError:  # a wake-up is pending already
+                pass
 
     def run(self, wait_s: float = 0.0, until: Callable[[], bool] = lambda: False, limit: int | None = None) -> None:
         """Loop thread: run the events waiting; with ``wait_s``, keep waiting for more that long,
@@ -61,5 +69,7 @@ class Mailbox:
         self.wake()
 
     def close(self) -> None:
-        os.close(self._read)
-        os.close(self._write)
+        with self._closing:
+            self._closed = True
+            os.close(self._read)
+            os.close(self._write)

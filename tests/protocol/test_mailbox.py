@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -39,3 +40,18 @@ def test_run_waits_for_late_events_until_told_enough():
     box.run(wait_s=30, until=lambda: "late" in seen)
     assert seen == ["late"] and time.monotonic() - started < 30
     box.close()
+
+
+def test_a_post_after_close_is_dropped_and_writes_to_no_reused_descriptor(tmp_path):
+    """Found in review: a prepare still running at shutdown posted after the mailbox closed, and
+    its wake-up byte went to whatever file had since been given the pipe's descriptor number."""
+    box = Mailbox()
+    box.close()
+    files = [tmp_path / f"file{i}" for i in range(2)]
+    fds = [os.open(f, os.O_WRONLY | os.O_CREAT) for f in files]  # the lowest free numbers: the pipe's two
+    try:
+        box.post(lambda: None)
+        assert [f.read_bytes() for f in files] == [b"", b""]
+    finally:
+        for fd in fds:
+            os.close(fd)
