@@ -106,17 +106,14 @@ class EscalationPolicy:
             return EscalationReason.LOCAL_QUEUE
         return None
 
-    def after(self, msg: Generate, job: LocalJob, spec: GrammarSpec | None,
-              answer: StructuredAnswer | None = None) -> EscalationReason | None:
+    def after(self, msg: Generate, job: LocalJob, answer: StructuredAnswer | None) -> EscalationReason | None:
         """The reason to escalate a finished local answer, or None. ``answer``: ``job.text``
-        parsed under ``spec``, when the caller has parsed it already (edged's server parses each
-        local answer once, for these rules and for its result's plan); parsed here otherwise."""
+        parsed under the request's grammar (None without one); edged's server parses each local
+        answer once, for these rules and for its result's plan."""
         if msg.escalation is not Escalation.AUTO or not self.has_cloud:
             return None
         if job.finish_reason in (FinishReason.ABORT, FinishReason.DEADLINE):
             return None  # cancelled, or no time left for the cloud either
-        if spec is not None and answer is None:
-            answer = StructuredAnswer.parse(job.text, spec)
         if answer is not None and not answer.is_valid:
             return EscalationReason.INVALID_PLAN
         mean = job.mean_logprob

@@ -253,7 +253,7 @@ class EdgeServer(Lane[Prepared]):
         if req.spec is not None:  # parsed once: for the escalation rules and for the result's plan
             req.answer = StructuredAnswer.parse(job.text, req.spec)
         if req.reason is None and job.error is None:
-            reason = self.policy.after(req.msg, job, req.spec, req.answer)
+            reason = self.policy.after(req.msg, job, req.answer)
             if reason is not None:
                 req.reason = reason
                 self._escalate(req)

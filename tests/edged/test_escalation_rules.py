@@ -14,7 +14,7 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.grammar.response_format import fleet_plan_format, grammar_spec
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
-from shared.plan.answer import plan_is_valid
+from shared.plan.answer import StructuredAnswer, plan_is_valid
 from shared.plan.answer import spec_schema as _schema
 from shared.protocol.messages import ChatMessage, Escalation, Generate, Sampling
 
@@ -25,6 +25,11 @@ VALID = '{"steps": [{"skill": "goto", "args": {"waypoint": "dock 2", "speed": 0.
 
 def msg(**kw) -> Generate:
     return Generate("r", prompt_ids=(1, 2, 3), sampling=Sampling(max_tokens=kw.pop("max_tokens", 32)), **kw)
+
+
+def after(policy: EscalationPolicy, request: Generate, job: LocalJob, spec) -> EscalationReason | None:
+    """The policy's verdict on ``job``, its text parsed under ``spec`` as edged's server parses it."""
+    return policy.after(request, job, StructuredAnswer.parse(job.text, spec) if spec is not None else None)
 
 
 def finished(text: str, logprobs: list[float], reason=FinishReason.STOP) -> LocalJob:
@@ -57,17 +62,17 @@ def test_without_a_cloud_only_the_context_rule_fires():
     policy = EscalationPolicy(EscalationConfig(), local_context=100)
     assert policy.before(msg(tags=("multi-floor",), deadline_ms=1), 10, 5.0) is None
     assert policy.before(msg(), 90, None) is EscalationReason.CONTEXT
-    assert policy.after(msg(), finished("not json", [-5.0]), PLAN) is None
+    assert after(policy, msg(), finished("not json", [-5.0]), PLAN) is None
 
 
 def test_rules_after_a_local_answer():
     policy = EscalationPolicy(CLOUD, local_context=1000)
-    assert policy.after(msg(), finished(VALID, [-0.1, -0.5]), PLAN) is None
-    assert policy.after(msg(), finished(VALID[:40], [-0.1], FinishReason.LENGTH), PLAN) is EscalationReason.INVALID_PLAN
-    assert policy.after(msg(), finished(VALID, [-0.5, -2.0]), PLAN) is EscalationReason.LOW_CONFIDENCE
-    assert policy.after(msg(), finished("free text", [-0.5]), None) is None
-    assert policy.after(msg(escalation=Escalation.LOCAL), finished("x", [-9.0]), PLAN) is None
-    assert policy.after(msg(), finished("", [-9.0], FinishReason.ABORT), PLAN) is None
+    assert after(policy, msg(), finished(VALID, [-0.1, -0.5]), PLAN) is None
+    assert after(policy, msg(), finished(VALID[:40], [-0.1], FinishReason.LENGTH), PLAN) is EscalationReason.INVALID_PLAN
+    assert after(policy, msg(), finished(VALID, [-0.5, -2.0]), PLAN) is EscalationReason.LOW_CONFIDENCE
+    assert after(policy, msg(), finished("free text", [-0.5]), None) is None
+    assert after(policy, msg(escalation=Escalation.LOCAL), finished("x", [-9.0]), PLAN) is None
+    assert after(policy, msg(), finished("", [-9.0], FinishReason.ABORT), PLAN) is None
 
 
 # a robot's plan request over a grounded scene, as robot_sdk sends it (the grammar's literals:
@@ -129,16 +134,16 @@ def test_the_off_task_rule_escalates_a_confident_plan_that_leaves_out_a_task_nam
     wrong = finished(plan(("lift", {"load": "tote 12"})), [-0.2])
     right = finished(plan(("lift", {"load": "tote 12"}), ("goto", {"place": "packing station"})), [-0.2])
     task = asked("Bring tote 12 to the packing station.")
-    assert policy.after(task, wrong, SKILLS) is EscalationReason.OFF_TASK
-    assert policy.after(task, right, SKILLS) is None
+    assert after(policy, task, wrong, SKILLS) is EscalationReason.OFF_TASK
+    assert after(policy, task, right, SKILLS) is None
     # the scene message names waypoint 17: only the task counts
-    assert policy.after(asked("Lift tote 12."), right, SKILLS) is None
+    assert after(policy, asked("Lift tote 12."), right, SKILLS) is None
     # an unsure plan reports the rule before it; no messages, no free text, or the rule off: not checked
-    assert policy.after(task, finished(wrong.text, [-3.0]), SKILLS) is EscalationReason.LOW_CONFIDENCE
-    assert policy.after(msg(), wrong, SKILLS) is None
-    assert policy.after(task, finished("Bring it.", [-0.2]), None) is None
+    assert after(policy, task, finished(wrong.text, [-3.0]), SKILLS) is EscalationReason.LOW_CONFIDENCE
+    assert after(policy, msg(), wrong, SKILLS) is None
+    assert after(policy, task, finished("Bring it.", [-0.2]), None) is None
     off = EscalationPolicy(replace(CLOUD, check_task_names=False), local_context=1000)
-    assert off.after(task, wrong, SKILLS) is None
+    assert after(off, task, wrong, SKILLS) is None
 
 
 def test_a_specs_schema_is_parsed_and_checked_once_for_all_its_answers():
