@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.request import FinishReason, Request
 from shared.engine.scheduler import Scheduler
-from shared.engine.step_batch import StepBatch
+from shared.engine.sampled_rows import SampledRows
 from shared.engine.step_profile import StepProfile, timed_phase
 
 
@@ -82,7 +82,7 @@ class Delivery:
         return delta
 
     @timed_phase("detokenize")
-    def deliver_step(self, batch: StepBatch, finished: Mapping[str, FinishReason]) -> list[TokenDelta]:
+    def deliver_step(self, batch: SampledRows, finished: Mapping[str, FinishReason]) -> list[TokenDelta]:
         """The delta of each request of ``batch``: its output since the step began (logprobs
         when it asked for them), and its reason in ``finished`` if it ended."""
         return [

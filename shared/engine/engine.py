@@ -45,7 +45,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.sampling_step import Pick, SamplingStep
 from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import SchedulerOutput
-from shared.engine.step_batch import StepBatch
+from shared.engine.sampled_rows import SampledRows
 from shared.engine.step_profile import StepProfile, timed_phase
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.llama import LlamaModel
@@ -297,7 +297,7 @@ class Engine:
         deltas, out = self._schedule()
         if out.is_empty:
             return deltas + self._idle(out)
-        batch = StepBatch.of(out, self.scheduler.requests)
+        batch = SampledRows.of(out, self.scheduler.requests)
         started = self.clock()
         try:  # NOTE: an all-greedy step never builds its logits (kernels.greedy_head)
             result = self.runner.execute_greedy(out) if batch.greedy else self.runner.execute(out)
@@ -321,7 +321,7 @@ class Engine:
         return deltas, self.scheduler.schedule()
 
     @timed_phase("update")
-    def _update(self, batch: StepBatch, picks: list[list[Pick] | None], started: float) -> dict[str, FinishReason]:
+    def _update(self, batch: SampledRows, picks: list[list[Pick] | None], started: float) -> dict[str, FinishReason]:
         """Count the step (its cost into the service rate), hand the picks to the scheduler
         (which appends them and ends requests by their stop rules), then draft the jump-forward
         tokens of those that go on. Returns why each request of ``batch`` that ended now ended:

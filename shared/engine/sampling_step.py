@@ -22,7 +22,7 @@ from shared.engine.request import Request
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import ScheduledChunk
-from shared.engine.step_batch import StepBatch
+from shared.engine.sampled_rows import SampledRows
 from shared.engine.step_profile import StepProfile, timed_phase
 
 Pick = tuple[int, float]  # a sampled token and its logprob
@@ -40,10 +40,10 @@ class SamplingStep:
         self.profile: StepProfile | None = None  # set by Engine.enable_profile
 
     @timed_phase("sampling")
-    def pick(self, result: torch.Tensor | list[int], batch: StepBatch) -> list[list[Pick] | None]:
+    def pick(self, result: torch.Tensor | list[int], batch: SampledRows) -> list[list[Pick] | None]:
         """The picks of each request of ``batch``, in order: None for one whose picking failed
         (it has ended, ``error``). ``result`` is the runner's: the argmax tokens of a greedy
-        batch (``StepBatch.greedy``), else the logits [rows, vocab], one row per logit of each
+        batch (``SampledRows.greedy``), else the logits [rows, vocab], one row per logit of each
         chunk in order (masked in place). When the batch's sampling raises, each row is
         sampled alone so that only the one at fault ends."""
         if batch.greedy:

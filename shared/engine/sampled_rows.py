@@ -11,7 +11,7 @@ from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 @dataclass(frozen=True)
-class StepBatch:
+class SampledRows:
     """``out``'s chunks that sample (``ScheduledChunk.sample``), in ``out.chunks`` order (the
     order of their logits rows), each with its request and its output length before the step."""
 
@@ -25,7 +25,7 @@ class StepBatch:
     greedy: bool
 
     @classmethod
-    def of(cls, out: SchedulerOutput, requests: Mapping[str, Request]) -> StepBatch:
+    def of(cls, out: SchedulerOutput, requests: Mapping[str, Request]) -> SampledRows:
         chunks = [c for c in out.chunks if c.sample]
         reqs = [requests[c.request_id] for c in chunks]
         greedy = all(c.num_logits == 1 and r.grammar is None and r.sampling.greedy and not r.sampling.logprobs
