@@ -23,7 +23,6 @@ process was 10-20 % slower than alone, the peer's own process always starts fres
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import sys
 import tempfile
@@ -34,12 +33,12 @@ from pathlib import Path
 from cloudd.bench_report import RequestTiming, format_peer_run, format_profile, format_run, run_report
 from cloudd.peer_baseline import VllmPeer, run_vllm_offline
 from cloudd.trace import TraceRequest, load_trace
+from cloudd.working_set import pool_blocks, pool_tokens, working_set_tokens
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.grammar.response_format import fleet_plan_format
 from shared.engine.kernel_choice import cpu_signature, operation_shares
 from shared.engine.kv.hicache_config import HiCacheConfig
-from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import Checkpoint
 from shared.model.weight_cache import load_model
@@ -207,14 +206,6 @@ def select_robots(requests: list[TraceRequest], robots: int | None) -> list[Trac
     return [r for r in requests if r.robot in keep]
 
 
-def working_set_tokens(prompts: list[list[int]]) -> int:
-    """Tokens a prefix cache needs to hold every prompt at once: the size of their trie (in
-    sorted order each prompt adds what it does not share with its predecessor)."""
-    ordered = sorted(prompts)
-    return sum(len(p) - (common_prefix_len(p, q) if i else 0)
-               for i, (p, q) in enumerate(zip(ordered, [[]] + ordered[:-1], strict=True)))
-
-
 def _size_pools(opts: BenchOptions, ckpt: Checkpoint, requests: list[TraceRequest], log) -> tuple[EngineConfig, int]:
     """The engine config with the KV pool (and a host tier not sized by the config) set as
     fractions of the replayed requests' working set; the working set (0 if not computed)."""
@@ -224,11 +215,8 @@ def _size_pools(opts: BenchOptions, ckpt: Checkpoint, requests: list[TraceReques
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     ws = working_set_tokens(prompts)
     if opts.device_pool_frac is not None:
-        if not 0 < opts.device_pool_frac <= 1:
-            raise ValueError(f"--device-pool-frac must be in (0, 1], got {opts.device_pool_frac}")
-        # NOTE: never below the longest request, which must fit the pool to run at all.
-        tokens = max(opts.device_pool_frac * ws, max(map(len, prompts)) + opts.output_len)
-        config = dataclasses.replace(config, num_blocks=math.ceil(tokens / config.block_size) + 1)
+        tokens = pool_tokens(opts.device_pool_frac, prompts, opts.output_len)
+        config = dataclasses.replace(config, num_blocks=pool_blocks(tokens, config.block_size) + 1)
     if config.hicache.host_pool_mb == HiCacheConfig().host_pool_mb:  # not configured: size it from the trace
         per_token = 2 * ckpt.config.num_layers * ckpt.config.num_kv_heads * ckpt.config.head_dim * \
             config.torch_dtype.itemsize

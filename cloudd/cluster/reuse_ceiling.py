@@ -4,6 +4,7 @@ more of it is cached) against random placement (on average what a router that ig
 Ray's power-of-two, reaches).
 
     python -m cloudd.cluster.reuse_ceiling --trace ../shared/workloads/fleet-1024.jsonl --limit 64,256,512,1024
+    python -m cloudd.cluster.reuse_ceiling --trace ../shared/workloads/fleet-returning.jsonl --pool-frac 0.1,0.2,0.3
 
 Prompts are the requests' chat templates tokenized as the engine tokenizes them; a request
 reuses the longest prefix of its prompt that an earlier request on its replica sent, at most
@@ -11,6 +12,11 @@ all but its last token (which the engine always computes), as a token-exact radi
 room for everything would. Outputs are unknown without running the model and are left out on
 both sides. ``cloudd bench --cluster`` measures the real thing (finite caches, Ray's router);
 this bounds what any router could show on the same requests.
+
+With ``--pool-frac`` it also replays the prompts through bounded LRU caches
+(``cloudd.cluster.lru_replay``), each replica's pool that fraction of the requests' working set
+as ``cloudd bench --cluster --device-pool-frac`` sizes it, and prints each placement's hit rate:
+the regime where caches evict and the router decides what stays cached.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cloudd.cluster.lru_replay import BoundedReuse, bounded_reuse
 from cloudd.trace import load_trace
+from cloudd.working_set import pool_blocks, pool_tokens
 
 
 class PromptTrie:
@@ -85,6 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="random placements averaged")
     parser.add_argument("--model", type=Path, default=None, help="GGUF or HF folder whose tokenizer counts tokens "
                                                                   "(default: the embedded default model)")
+    parser.add_argument("--pool-frac", default="",
+                        help="comma list: also replay with bounded LRU caches, each replica's pool this fraction of "
+                             "the largest --limit's working set")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per cached block (bounded replay)")
+    parser.add_argument("--output-len", type=int, default=8,
+                        help="a pool never holds less than the longest prompt plus this (as the bench sizes it)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     from shared.model.checkpoint import load_tokenizer
@@ -92,21 +106,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         limits = [int(n) for n in args.limit.split(",")]
+        fracs = [float(f) for f in args.pool_frac.split(",") if f]
         tokenizer = load_tokenizer(args.model or ensure_default_model())
         requests = load_trace(args.trace, max(limits))
         prompts = [tokenizer.encode_chat(list(r.messages)) for r in requests]
         runs = {str(n): reuse_bounds(prompts[:n], args.replicas, args.seeds) for n in limits}
+        bounded = {str(f): bounded_reuse(prompts, [r.robot for r in requests], args.replicas, f,
+                                         pool_blocks(pool_tokens(f, prompts, args.output_len), args.block_size),
+                                         args.block_size, args.seeds) for f in fracs}
     except (OSError, ValueError) as e:
         print(f"reuse_ceiling: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"trace": str(args.trace), "runs": {
-            n: asdict(b) | {"router_headroom": b.router_headroom} for n, b in runs.items()}}))
+            n: asdict(b) | {"router_headroom": b.router_headroom} for n, b in runs.items()},
+            "bounded": {f: asdict(b) | {"affinity_gain": b.affinity_gain} for f, b in bounded.items()}}))
         return 0
     print(f"{'requests':>8} {'one replica':>12} {'random over ' + str(args.replicas):>16} {'headroom':>9}")
     for b in runs.values():
         print(f"{b.requests:>8} {b.one_replica:>12.3f} {b.random_placement:>16.3f} {b.router_headroom:>9.3f}")
+    if bounded:
+        _print_bounded(bounded.values(), len(requests), args.replicas)
     return 0
+
+
+def _print_bounded(rows: Iterable[BoundedReuse], requests: int, replicas: int) -> None:
+    print(f"\nbounded LRU, {requests} requests over {replicas} replicas:")
+    print(f"{'pool/replica':>12} {'blocks':>7} {'random':>7} {'pow2':>7} {'robot':>7} {'combined':>9}")
+    for b in rows:
+        print(f"{b.pool_frac:>12.0%} {b.capacity_blocks:>7} {b.random:>7.3f} {b.pow2:>7.3f} {b.robot:>7.3f} "
+              f"{b.combined:>9.3f}")
 
 
 if __name__ == "__main__":
