@@ -29,6 +29,9 @@ class ClusterConfig:
     hash_load_factor: float = 1.25  # hash router: a replica takes at most this times the mean load
     prefix_pages_per_replica: int = 200_000  # fleet router: remembered prompt pages (64 chars) a replica
     resume_retries: int = 3  # a request whose replica dies is resumed on another this many times
+    # the front lets each replica hold this many requests (running + its engine's queue); the rest
+    # wait at the front, where each freed slot goes to the robot holding the fewest (fair admission)
+    dispatch_per_replica: int = 256
     health_check_period_s: float = 2.0  # Ray's probe of each replica (a dead one restarts after it)
     health_check_timeout_s: float = 30.0
     ray_num_cpus: int = 0  # local Ray instance's CPUs (0: this machine's)
@@ -46,6 +49,8 @@ class ClusterConfig:
             raise ValueError("num_cpus_per_replica >= 0, num_gpus_per_replica >= 0, max_ongoing_requests >= 1")
         if self.imbalance_abs < 0 or self.imbalance_rel < 1 or self.hash_load_factor <= 1:
             raise ValueError("imbalance_abs >= 0, imbalance_rel >= 1, hash_load_factor > 1")
+        if self.dispatch_per_replica < 1:
+            raise ValueError(f"dispatch_per_replica must be >= 1, got {self.dispatch_per_replica}")
         if self.resume_retries < 0 or self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
             raise ValueError("resume_retries >= 0, health_check_period_s > 0, health_check_timeout_s > 0")
         if self.target_queue_depth <= 0 or not 0 < self.target_kv_usage <= 1:

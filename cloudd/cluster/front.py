@@ -15,7 +15,16 @@ stopped (the prompt and those tokens are recomputed there) and every token reach
 once. Ray restarts the dead replica after its health check. A request resumed more than
 ``resume_retries`` times fails ``unavailable``.
 
-Threads: the front's loop owns the ledger; the replica calls run as coroutines on an asyncio
+Fair admission: the front holds every robot's in-flight work. It lets at most
+``dispatch_per_replica`` requests per running replica be in the replicas at once; the rest wait
+at the front in a queue per robot, and each freed slot goes to the waiting robot holding the
+fewest requests in the replicas (``fair_dispatch``: max-min fairness across the cluster, most
+urgent first within a robot; ``safety`` never waits). So a robot flooding the cluster (the
+router keeps a robot on one replica, the load guard spills its excess onto the others) cannot
+take more than its share: once others are waiting, it gets a slot only when it holds no more
+than they do. Each replica's policy still orders what it holds by class, deadline and fairness.
+
+Threads: the front's loop owns the ledger and the fair queue; the replica calls run as coroutines on an asyncio
 loop of their own (the dispatch thread), which hands every reply back to the front's loop
 through its mailbox. The router's state lives in this process too (``routing.ROUTERS``), so
 cancels reach the request's replica and ``stats`` shows the router's decisions.
@@ -32,6 +41,8 @@ from collections.abc import Callable, Coroutine
 import zmq
 
 from cloudd.cluster.cluster_stats import merge_snapshots
+from cloudd.cluster.config import ClusterConfig
+from cloudd.cluster.fair_dispatch import FairDispatch
 from cloudd.cluster.prefix_pages import page_keys, routing_text
 from cloudd.cluster.routing import ANY_REPLICA, ROUTERS, FleetRouting, RouteHint
 from cloudd.monitor import robot_view
@@ -49,14 +60,21 @@ STATS_TIMEOUT_S = 10.0
 class ClusterFront(Lane[Generate]):
     """``handle``: the replicas' Serve deployment handle; ``app_name``: its application (whose
     router this process holds). ``front``'s endpoints get an ``inproc`` one first (for the HTTP
-    API's client in this process, as ``cloudd serve`` has)."""
+    API's client in this process, as ``cloudd serve`` has). ``replicas``: how many run until the
+    router reports them; ``dispatch_per_replica``: see fair admission above."""
 
     def __init__(self, handle, app_name: str, front: FrontConfig, resume_retries: int, model_name: str,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, *, replicas: int = ClusterConfig.replicas,
+                 dispatch_per_replica: int = ClusterConfig.dispatch_per_replica):
+        if replicas < 1 or dispatch_per_replica < 1:
+            raise ValueError("replicas >= 1, dispatch_per_replica >= 1")
         self.handle = handle
         self.app_name = app_name
         self.resume_retries = resume_retries
         self.model_name = model_name
+        self.replicas = replicas
+        self.dispatch_per_replica = dispatch_per_replica
+        self.fair: FairDispatch[Generate] = FairDispatch()  # the front's loop only
         self.resumed = 0  # requests sent again after their replica died
         self.inproc_endpoint = f"inproc://cluster-front-{id(self):x}"
         self.front: RequestFront[Generate] = RequestFront(
@@ -82,13 +100,37 @@ class ClusterFront(Lane[Generate]):
         return msg  # the replica prepares it
 
     def start(self, pending: Admitting, prepared: Generate) -> None:
-        self._spawn(self._run(prepared))
+        self.fair.add(prepared.request_id, prepared.robot_id, prepared.priority, prepared)
+        self._dispatch_fairly()
 
     def cancelled_before_start(self, request_id: str, prepared: Generate) -> Result:
         return Result(request_id, "", FinishReason.ABORT.value, Usage(0, 0), detail="cancelled")
 
     def cancel(self, request_id: str) -> None:
-        self._spawn(self._cancel(request_id))
+        """A request still waiting at the front ends here; one in a replica is cancelled there."""
+        waiting = self.fair.withdraw(request_id)
+        if waiting is not None:
+            self.front.finish(request_id, self.cancelled_before_start(request_id, waiting))
+        else:
+            self._spawn(self._cancel(request_id))
+
+    @property
+    def capacity(self) -> int:
+        """Requests the replicas may hold at once: ``dispatch_per_replica`` per replica running
+        (as the router last saw them; before its first request, ``replicas``)."""
+        routing = self.routing
+        running = len(routing.replicas) if routing is not None and routing.replicas else self.replicas
+        return self.dispatch_per_replica * running
+
+    def _dispatch_fairly(self) -> None:
+        """The front's loop: send the replicas what fair admission lets through now."""
+        for msg in self.fair.take(self.capacity):
+            self._spawn(self._run(msg))
+
+    def _ended(self, request_id: str) -> None:
+        """The front's loop: a dispatched request's replica call is over; its slot goes on."""
+        self.fair.ended(request_id)
+        self._dispatch_fairly()
 
     def cancel_all(self, why: str) -> None:
         """Cancel every live request on its replica and wait (up to a second) for their results."""
@@ -101,7 +143,7 @@ class ClusterFront(Lane[Generate]):
             if isinstance(snapshot, dict) and caller.robot is not None:
                 snapshot = robot_view(snapshot, caller.robot)
             self._post(lambda: reply(snapshot))
-        self._spawn(self._stats(answer, self.front.health()))
+        self._spawn(self._stats(answer, self.front.health(), {**self.fair.snapshot(), "capacity": self.capacity}))
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -128,6 +170,7 @@ class ClusterFront(Lane[Generate]):
             self._executions.pop(msg.request_id, None)
             if self.routing is not None:  # ranked but never routed: not load any more
                 self.routing.forget(msg.request_id)
+            self._post(lambda: self._ended(msg.request_id))
 
     async def _serve(self, msg: Generate) -> None:
         """Serve ``msg`` on a replica, and again after the last token relayed on another while
@@ -208,8 +251,9 @@ class ClusterFront(Lane[Generate]):
         """The router of this process's handle (it exists once the handle sent a request)."""
         return ROUTERS.get(self.app_name)
 
-    async def _stats(self, reply: Callable[[dict | Error], None], health: str) -> None:
-        """Every replica's snapshot, merged. The first comes from any replica: that call also
+    async def _stats(self, reply: Callable[[dict | Error], None], health: str, admission: dict) -> None:
+        """Every replica's snapshot, merged, with ``admission`` (the fair queue's counts, taken on
+        the front's loop) as ``cluster.front``. The first comes from any replica: that call also
         makes this handle build its router (Ray builds it on first use), whose replica list
         names the others."""
         stats = self.handle.options(method_name="stats")
@@ -228,4 +272,5 @@ class ClusterFront(Lane[Generate]):
             except Exception as e:  # a replica restarting: the others still answer
                 log.warning("stats of replica %s: %s", replica, type(e).__name__)
         merged = merge_snapshots(snapshots, routing.snapshot(), self.resumed, health)
+        merged["cluster"]["front"] = admission
         reply({**merged, "model": self.model_name})
