@@ -7,7 +7,7 @@ import pytest
 
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.grammar.limits import MAX_REPETITION, json_depth, repetition_product
+from shared.engine.grammar.limits import MAX_LENGTH_BOUND, MAX_REPETITION, json_depth, repetition_product
 from shared.plan.schema import MAX_SKILLS
 from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
 from shared.engine.sampling_params import SamplingParams
@@ -91,3 +91,41 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, mon
     with pytest.raises(ValueError, match="characters cannot fit"):
         engine.submit([{"role": "user", "content": "x" * 737_000}])
     assert spy.calls == 0
+
+
+def nested_repeat(depth: int = 3) -> str:
+    return "(" * depth + "a" + "){0,30}" * depth
+
+
+AMBIGUOUS_EBNF = 'root ::= s\ns ::= s s | s s s | "a" | ""'  # the 361-byte grammar, its core
+
+
+@pytest.mark.parametrize(("response_format", "words"), [
+    ({"type": "ebnf", "ebnf": AMBIGUOUS_EBNF}, "recursive rules 's' and 's' side by side"),
+    ({"type": "ebnf", "ebnf": 'root ::= s\ns ::= "a" s s | ""'}, "side by side"),
+    ({"type": "ebnf", "ebnf": 'root ::= ((("a"){0,30}){0,30}){0,30}'}, f"27000 copies in rule 'root', more than {MAX_REPETITION}"),
+    ({"type": "ebnf", "ebnf": 'root ::= q{0,30}\nq ::= ("a"){0,40}'}, "1200 copies"),  # through a reference
+    ({"type": "ebnf", "ebnf": "\n".join(f"r{i} ::= \"a\"" for i in range(1100)) + "\nroot ::= r0"}, "more than 1024 rules"),
+    ({"type": "json_schema", "schema": {"type": "string", "pattern": nested_repeat()}},
+     f"schema pattern: nested counted repetitions make 27000 copies, more than {MAX_REPETITION}"),
+    ({"type": "json_schema", "schema": {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": nested_repeat()}}}}, "27000 copies"),
+    ({"type": "json_schema", "schema": {"type": "string", "maxLength": 1_000_000}},
+     f"maxLength 1000000 is more than {MAX_LENGTH_BOUND}"),
+    ({"type": "json_schema", "schema": {"type": "array", "items": {"type": "string"}, "minItems": 5000}},
+     "minItems 5000"),
+], ids=["ambiguous-ebnf", "ambiguous-nullable-ebnf", "ebnf-nested-repeat", "ebnf-repeat-through-rules",
+        "ebnf-many-rules", "schema-pattern", "nested-schema-pattern", "maxLength", "minItems"])
+def test_every_grammar_kind_past_its_bounds_is_refused_naming_the_bound(response_format, words):
+    with pytest.raises(ValueError, match=words):
+        grammar_spec(response_format)
+
+
+@pytest.mark.parametrize("ebnf", [
+    'root ::= value\nvalue ::= "[" (value ("," value)*)? "]" | "1"',  # recursion with a separator
+    'root ::= s\ns ::= "a" s | ""',  # one recursive reference per sequence
+    'root ::= "x" b b\nb ::= "y"',  # side by side, but not recursive
+    'root ::= ("ab"){2}("c"){0,512} # a comment: s s {0,9999}',
+])
+def test_ordinary_ebnf_passes(ebnf):
+    assert grammar_spec({"type": "ebnf", "ebnf": ebnf}) is not None

@@ -12,14 +12,31 @@ ValueError naming the bound:
   (``(a{1,99}){1,99}`` is 9,801): each bound copies its pattern into the automaton, and a
   24-character nested repeat had made every step's mask fill take seconds. ``*``, ``+`` and
   ``?`` are loops, not copies, and count 1;
+- a JSON schema ``"pattern"`` whose counted repetitions exceed ``MAX_REPETITION`` the same
+  way (a 30-character nested pattern had taken 89 s to compile);
+- a JSON schema length keyword (``minLength``, ``maxLength``, ``minItems``, ``maxItems``,
+  ``minProperties``, ``maxProperties``) above ``MAX_LENGTH_BOUND`` (4,096): each counted
+  position is a state of the grammar, and no plan or robot answer needs more (a text longer
+  than 4,096 characters is longer than any max_tokens the fleet asks for);
+- an EBNF grammar of more than ``ebnf_limits.MAX_EBNF_RULES`` rules, whose counted
+  repetitions exceed ``MAX_REPETITION`` along their nesting (through rule references too), or
+  that puts two recursive rules side by side (``s ::= s s | "a"``: see
+  ``shared.engine.grammar.ebnf_limits``);
 - a skills plan of more than ``shared.plan.schema.MAX_SKILLS`` skills, refused by the plan
   format before its schema is built.
+
+What passes may still be slow in ways no static check sees (ambiguity is undecidable); the
+engine's per-request work budget (``shared.engine.request_budget``) ends such a request alone.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from shared.engine.grammar.ebnf_limits import EbnfShape
 
 if TYPE_CHECKING:
     from shared.engine.grammar.response_format import GrammarSpec
@@ -27,6 +44,8 @@ if TYPE_CHECKING:
 MAX_GRAMMAR_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 32
 MAX_REPETITION = 1_024
+MAX_LENGTH_BOUND = 4_096
+LENGTH_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 _COUNTED = re.compile(r"\{(\d+)(,(\d*))?\}")
 
@@ -38,9 +57,41 @@ def check_grammar_limits(spec: "GrammarSpec") -> None:
                          f"{MAX_GRAMMAR_CHARS}")
     if spec.kind == "json_schema" and (depth := json_depth(spec.source)) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"response_format: the schema nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}")
-    if spec.kind == "regex" and (copies := repetition_product(spec.source)) > MAX_REPETITION:
-        raise ValueError(f"response_format.regex: nested counted repetitions make {copies} copies, "
-                         f"more than {MAX_REPETITION}")
+    if spec.kind == "regex":
+        _check_pattern(spec.source, "response_format.regex")
+    if spec.kind == "json_schema":
+        _check_schema_keywords(json.loads(spec.source))
+    if spec.kind == "ebnf":
+        EbnfShape.of(spec.source).check(MAX_REPETITION)
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    if (copies := repetition_product(pattern)) > MAX_REPETITION:
+        raise ValueError(f"{where}: nested counted repetitions make {copies} copies, more than {MAX_REPETITION}")
+
+
+def _check_schema_keywords(schema: Any) -> None:
+    """ValueError for a ``pattern`` or a length keyword past its bound anywhere in ``schema``."""
+    for node in _objects(schema):
+        if isinstance(pattern := node.get("pattern"), str):
+            _check_pattern(pattern, "response_format schema pattern")
+        for keyword in LENGTH_KEYWORDS:
+            bound = node.get(keyword)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > MAX_LENGTH_BOUND:
+                raise ValueError(f"response_format schema {keyword} {bound} is more than {MAX_LENGTH_BOUND}")
+
+
+def _objects(value: Any) -> Iterator[dict]:
+    """Every JSON object in ``value`` (the schema and each schema nested in it, and also
+    ``properties`` maps and ``enum`` values: a keyword's bound is checked wherever it appears)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def json_depth(text: str) -> int:
