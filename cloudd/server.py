@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -32,10 +32,11 @@ from shared.engine.request import FinishReason, Request
 from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary
 from shared.plan.answer import StructuredAnswer
-from shared.protocol.messages import Error, ErrorCode, Generate, Result, Source, Usage
+from shared.protocol.messages import MAX_PROMPT_IDS, Error, ErrorCode, Generate, Result, Source, Usage
 from shared.transport.curve import Caller, ClientCurve
 from shared.transport.loopback import is_loopback
 from shared.transport.preparing import Admitting
+from shared.transport.priority_grants import PriorityGrants
 from shared.transport.quota import QuotaConfig
 from shared.transport.request_front import FrontConfig, Lane, Refused, RequestFront
 
@@ -62,13 +63,24 @@ class ServeConfig:
     http_timeout_s: float = 30.0  # an HTTP connection silent this long is closed
     stall_after_s: float = 10.0  # an engine turn running longer: health answers "stalled"
     http_max_connections: int = 256  # more open at once: the next is answered 503
-    # per-robot limits (shared.transport.quota); 0 = unlimited
-    robot_requests_per_s: float = 0.0
+    # Per-robot limits (shared.transport.quota; 0 = off), on by default. The busiest robot of the
+    # fleet traces (shared/workloads: 32 to 256 robots) sends 4 requests in a second, 6 in ten, 15 in
+    # a minute, and 12,150 tokens (prompt + max_tokens) in a minute: these leave it 2.5-4x headroom.
+    robot_requests_per_s: float = 1.0
     robot_burst: int = 20
-    robot_tokens_per_min: float = 0.0
-    # per sender (its CURVE key, else its connection): frames past this rate are dropped unread
-    frames_per_s: float = 0.0
-    frames_burst: int = 200
+    robot_tokens_per_min: float = 30_000.0  # prompt tokens + max_tokens
+    # requests one robot may have admitted and unanswered (its share of max_waiting: one robot's
+    # flood fills its share, never the queue); the traces' busiest robot has 6 at most
+    robot_max_in_flight: int = 64
+    # per sender (its CURVE key, else its connection; not this process's HTTP front): frames past
+    # this rate are dropped unread. A robot's requests, cancels and heartbeats stay under 10 a second
+    frames_per_s: float = 50.0
+    frames_burst: int = 500
+    # priority classes (shared.transport.priority_grants): an identity (a robot key's name, else
+    # the robot_id sent: an API key's name over HTTP) may use the classes of the first pattern
+    # of priority_grants it matches, else ``priorities``; operator keys may use every class
+    priorities: tuple[str, ...] = ("interactive", "plan", "background")
+    priority_grants: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name or fnmatch pattern -> classes
     # response_format objects (JSON files) or "fleet-plan" to compile at start-up
     precompile: tuple[str, ...] = ()
     # CURVE: both set = every connection is encrypted and must present a robot key found in
@@ -100,18 +112,28 @@ class ServeConfig:
         if not self.curve_secret_key and not is_loopback(self.zmq_host):
             raise ValueError(f"zmq_host {self.zmq_host!r} is not loopback: set curve_secret_key and "
                              "curve_authorized_dir, so that only the fleet's keys get in")
+        if self.robot_max_in_flight < 0 or self.robot_max_in_flight >= self.max_waiting:
+            raise ValueError(f"robot_max_in_flight must be in [0, max_waiting {self.max_waiting}), so that one robot "
+                             f"never fills the queue; got {self.robot_max_in_flight}")
+        self.priority_classes()  # a ValueError naming an unknown class
         if not is_loopback(self.http_host) and not self.http_api_keys:
             raise ValueError(f"http_host {self.http_host!r} is not loopback: set http_api_keys, so that only "
                              "holders of the fleet's API keys get in")
 
-    def front(self, *endpoints: str) -> FrontConfig:
-        """The request front of these settings, on ``endpoints`` and then the ZeroMQ TCP port."""
+    def priority_classes(self) -> PriorityGrants:
+        return PriorityGrants.from_config(self.priorities, self.priority_grants)
+
+    def front(self, *endpoints: str, max_prompt_ids: int = MAX_PROMPT_IDS) -> FrontConfig:
+        """The request front of these settings, on ``endpoints`` and then the ZeroMQ TCP port;
+        ``max_prompt_ids``: the engine's ``max_model_len`` where it is known."""
         return FrontConfig(
             daemon="cloudd", endpoints=(*endpoints, f"tcp://{self.zmq_host}:{self.zmq_port}"),
             result_ttl_s=self.result_ttl_s, shutdown_grace_s=self.shutdown_grace_s, stall_after_s=self.stall_after_s,
             execution_log=self.execution_log,
             robot_quota=QuotaConfig(self.robot_requests_per_s, self.robot_burst, self.robot_tokens_per_min),
             frame_quota=QuotaConfig(requests_per_s=self.frames_per_s, burst=self.frames_burst),
+            robot_max_in_flight=self.robot_max_in_flight, priority_grants=self.priority_classes(),
+            max_prompt_ids=max_prompt_ids,
             curve_secret_key=self.curve_secret_key, curve_authorized_dir=self.curve_authorized_dir,
             curve_operator_dir=self.curve_operator_dir,
         )
@@ -139,8 +161,10 @@ class CloudServer(Lane[CloudPrepared]):
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._specs: dict[str, GrammarSpec] = {}  # the grammar of each live constrained request (its plan)
         self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
-        self.front: RequestFront[CloudPrepared] = RequestFront(self, config.front(self.inproc_endpoint), context,
-                                                              on_frame_dropped=self.metrics.frames_dropped.inc)
+        front = config.front(self.inproc_endpoint, max_prompt_ids=engine.scheduler.config.max_model_len)
+        self.front: RequestFront[CloudPrepared] = RequestFront(
+            self, front, context, on_frame_dropped=self.metrics.frames_dropped.inc,
+            prompt_tokens=lambda _msg, prepared: len(prepared.prompt.token_ids))
         self.context = self.front.context
         self.ledger = self.front.ledger
         self.socket = self.front.socket_front.socket  # the ROUTER socket clients connect to

@@ -6,8 +6,8 @@ robot computer. See ``examples/pick_and_place.py`` for a complete client.
 
 from robot_sdk.aio import AsyncPlanClient
 from robot_sdk.client import DEADLINE_GRACE_S, PlanClient
-from robot_sdk.errors import (Cancelled, DeadlineExceeded, InvalidPlan, InvalidRequest, PlanError, Rejected,
-                              Unavailable)
+from robot_sdk.errors import (Cancelled, DeadlineExceeded, Forbidden, InvalidPlan, InvalidRequest, PlanError,
+                              Rejected, Unavailable)
 from robot_sdk.replies import ChatReply, Plan, PlanDone, PlanEvent, PlanStepEvent, PlanText
 from robot_sdk.scene import Person, Place, Scene, Thing
 from robot_sdk.skills import Arg, Skill, as_skills, skill
@@ -18,5 +18,5 @@ __all__ = [
     "AsyncPlanClient", "PlanClient", "DEADLINE_GRACE_S",
     "Plan", "PlanStep", "PlanText", "PlanStepEvent", "PlanDone", "PlanEvent", "ChatReply",
     "Skill", "Arg", "skill", "as_skills", "Scene", "Place", "Thing", "Person", "Priority", "Escalation",
-    "PlanError", "DeadlineExceeded", "Rejected", "Unavailable", "InvalidPlan", "InvalidRequest", "Cancelled",
+    "PlanError", "DeadlineExceeded", "Rejected", "Forbidden", "Unavailable", "InvalidPlan", "InvalidRequest", "Cancelled",
 ]

@@ -34,6 +34,11 @@ class Rejected(PlanError):
     retry_after_s: float | None = None
 
 
+class Forbidden(PlanError):
+    """The request's priority class is not granted to this robot or API key (``forbidden``): it
+    was refused, not served at a lower class. Send it at a granted class or ask the operator."""
+
+
 class Unavailable(PlanError):
     """No daemon answered after every retry, or the daemon has no route to serve it."""
 
@@ -53,6 +58,7 @@ class Cancelled(PlanError):
 _BY_CODE: dict[ErrorCode, type[PlanError]] = {
     ErrorCode.DEADLINE: DeadlineExceeded,
     ErrorCode.REJECTED: Rejected,
+    ErrorCode.FORBIDDEN: Forbidden,
     ErrorCode.UNAVAILABLE: Unavailable,
     ErrorCode.INVALID_REQUEST: InvalidRequest,
     ErrorCode.BAD_MESSAGE: InvalidRequest,

@@ -2,9 +2,9 @@
 
 ``decode`` never raises anything but ``ProtocolError``, whatever the bytes: garbage, a map
 without ``v``/``type``, another version, an unknown type, a missing, unknown or mistyped field,
-or more than ``max_bytes``. The error carries the ``ErrorCode`` to reply with and, when the
-bytes were readable that far, the request id, so a daemon answers every bad input with an
-``error`` reply and never dies of it. Unknown fields are rejected rather than ignored: within
+more than ``max_bytes``, or (given ``max_ids``) a list longer than a daemon serves. The error
+carries the ``ErrorCode`` to reply with and, when the bytes were readable that far, the request
+id, so a daemon answers every bad input with an ``error`` reply and never dies of it. Unknown fields are rejected rather than ignored: within
 one protocol version a typo must not pass silently. Nothing is ever pickled.
 """
 
@@ -19,7 +19,9 @@ from typing import Any
 
 import msgpack
 
-from shared.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
+from shared.protocol.messages import (
+    MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message,
+)
 
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: far above any plan request, far below a memory problem
 
@@ -41,12 +43,23 @@ def encode(msg: Message) -> bytes:
         raise ValueError(f"{msg.TYPE} message cannot be encoded: {e}") from None
 
 
-def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """The message in ``data``; raises ProtocolError (only) for anything else."""
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, max_ids: int | None = None) -> Message:
+    """The message in ``data``; raises ProtocolError (only) for anything else.
+
+    ``max_ids``: a daemon's bound on token id lists (its ``max_model_len``). With it no list in
+    the message may be longer than it (or than the other lists' own bounds, if larger): msgpack
+    checks each list's length as it reads its header, before an item of it is made, so a frame
+    of 131,072 ids costs a daemon of 8,192 tokens nothing but the refusal (``too_large``)."""
     if len(data) > max_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {max_bytes}")
+    max_items = -1 if max_ids is None else max(max_ids, MAX_MESSAGES, MAX_STOP_TOKEN_IDS)  # -1: msgpack's own
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=max_items)
+    except ValueError as e:
+        if "max_array_len" in str(e):
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"a list of more than {max_items} items: this daemon's "
+                                f"token ids are at most {max_ids}") from None
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "not a msgpack message (ValueError)") from None
     except Exception as e:  # msgpack raises a zoo of types for garbage; all mean the same
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__})") from None
     if not isinstance(obj, dict):
@@ -114,7 +127,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, list | tuple):
             raise TypeError(f"{path}: expected a list, got {type(value).__name__}")
         (item, _ellipsis) = typing.get_args(tp)
-        if item in (int, str) and all(type(v) is item for v in value):  # no call per item (bool is no int here)
+        if item in (int, str) and set(map(type, value)) <= {item}:  # no Python call per item (bool is no int here)
             return tuple(value)
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:

@@ -92,6 +92,7 @@ class ErrorCode(enum.Enum):
     DEADLINE = "deadline"  # cannot meet, or did not meet, its deadline
     REJECTED = "rejected"  # overload or shutdown
     NOT_FOUND = "not_found"  # cancel of an unknown request
+    FORBIDDEN = "forbidden"  # a priority class its identity is not granted (HTTP 403)
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
 
@@ -167,7 +168,8 @@ class Generate:
             _check_range("deadline_ms", self.deadline_ms, 1)
         _check_range("resume_from", self.resume_from, 0)
         for name in ("prompt_ids", "resume_token_ids"):
-            if not all(0 <= t < WIRE_INT_LIMIT for t in getattr(self, name)):
+            ids = getattr(self, name)
+            if ids and not (0 <= min(ids) and max(ids) < WIRE_INT_LIMIT):  # min and max: no Python call per id
                 raise ValueError(f"{name} must be in [0, {WIRE_INT_LIMIT})")
 
     def fingerprint(self) -> tuple:

@@ -26,12 +26,15 @@ from zmq.auth.thread import ThreadAuthenticator
 class Caller:
     """Who sent a message: a robot (the name of its key), or an operator (``robot`` None: an
     operator's key, the daemon's own process, or anyone when CURVE is off and the daemon is on
-    loopback only)."""
+    loopback only). ``operator_key``: an operator's own key, which may use every priority class;
+    the other operators act for the ``robot_id`` they send (``shared.transport.priority_grants``)."""
 
     robot: str | None = None
+    operator_key: bool = False
 
 
 OPERATOR = Caller()
+OPERATOR_KEY = Caller(operator_key=True)
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,15 @@ class ServerCurve:
 
     def identify(self, user_id: str | None) -> Caller:
         """The caller behind a message's ZAP User-Id (the z85 key; None: no key, from inside
-        this process). Keys authorized at run time (``local_client``) are operators."""
+        this process). Keys authorized at run time (``local_client``) are operators without an
+        operator key: they act for the robot_id they send."""
         if user_id is None:
             return OPERATOR
-        robot = self._robots.get(user_id.encode())
-        return Caller(robot) if robot is not None else OPERATOR
+        key = user_id.encode()
+        robot = self._robots.get(key)
+        if robot is not None:
+            return Caller(robot)
+        return OPERATOR_KEY if key in self._operators else OPERATOR
 
     def authorize(self, public: bytes) -> None:
         self._runtime.add(public)

@@ -1,11 +1,15 @@
-"""Per-robot rate limits: requests per second and generated tokens per minute, each a token
-bucket per robot. (A daemon's front also keeps one of frames per sender with the same buckets:
-a "robot" there is a CURVE key or a connection, a "request" any frame.)
+"""Per-robot limits: requests per second and tokens per minute, each a token bucket per robot,
+and the requests a robot may have in flight at once. (A daemon's front also keeps a bucket of
+frames per sender: a "robot" there is a CURVE key or a connection, a "request" any frame.)
 
-A request is charged on arrival (a retry of a request already in the ledger is not): one from
-the request bucket, its ``max_tokens`` from the token bucket. It is admitted only if both hold
-enough; otherwise neither is charged and the caller learns how long until they would
-(``rejected`` with ``retry_after_ms``; HTTP 429 with ``Retry-After``). With CURVE the robot is
+A request is charged twice, each time before the work it pays for: one from the request bucket
+on arrival (that bounds the preparing it causes), then, once prepared (its prompt tokenized),
+its prompt's tokens plus its ``max_tokens`` from the token bucket, before the lane admits it. A
+prompt of 7,000 tokens costs 7,000 tokens of quota, not 1. A request over either is answered at
+once (``rejected`` with ``retry_after_ms``; HTTP 429 with ``Retry-After``) and charges nothing
+of the bucket it failed; a request refused for its tokens still spent its request (it was
+prepared). A request whose tokens are more than a minute's quota is ``invalid_request``: it
+never fits. A retry of a request already in the ledger is not charged. With CURVE the robot is
 its key, so one robot cannot spend another's quota; without it, the ``robot_id`` it claims. A
 rate of 0 turns that limit off. Buckets are kept for the ``max_robots`` robots seen last.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 class QuotaConfig:
     requests_per_s: float = 0.0  # per robot; 0: unlimited
     burst: int = 20  # requests a robot may send at once before the rate applies
-    tokens_per_min: float = 0.0  # max_tokens per robot per minute (a minute's worth may come at once); 0: unlimited
+    # prompt tokens + max_tokens per robot per minute (a minute's worth may come at once); 0: unlimited
+    tokens_per_min: float = 0.0
 
     def __post_init__(self) -> None:
         if self.requests_per_s < 0 or self.tokens_per_min < 0 or self.burst < 1:
@@ -61,13 +66,14 @@ class RobotQuotas:
         self.max_robots = max_robots
         self._buckets: OrderedDict[str, list[TokenBucket]] = OrderedDict()  # least recently seen first
 
-    def charge(self, robot_id: str, max_tokens: int) -> float:
-        """Charge one request of ``max_tokens`` to ``robot_id``: 0.0 if admitted, else the
-        seconds until it would be (inf if it never would: more tokens than a minute's quota)."""
+    def charge(self, robot_id: str, tokens: int, requests: int = 1) -> float:
+        """Charge ``requests`` requests and ``tokens`` tokens to ``robot_id``, both or neither:
+        0.0 if admitted, else the seconds until they would be (inf if never: more tokens than
+        a minute's quota)."""
         now = self.clock()
         buckets = self._robot(robot_id, now)
-        amounts = [amount for amount, rate in ((1, self.config.requests_per_s), (max_tokens, self.config.tokens_per_min))
-                   if rate > 0]
+        rates = ((requests, self.config.requests_per_s), (tokens, self.config.tokens_per_min))
+        amounts = [amount for amount, rate in rates if rate > 0]
         waits = [bucket.wait(amount, now) for bucket, amount in zip(buckets, amounts, strict=True)]
         if max(waits, default=0.0) > 0:
             return max(waits)
@@ -85,3 +91,33 @@ class RobotQuotas:
         if len(self._buckets) > self.max_robots:
             del self._buckets[next(iter(self._buckets))]
         return buckets
+
+
+class InFlight:
+    """The requests each robot has in flight (admitted, not yet answered), at most ``limit``
+    each (0: no limit): one robot's flood fills its own share of a daemon's queue, never the
+    whole of it, so the next robot is not turned away ``overloaded`` for another's requests."""
+
+    def __init__(self, limit: int):
+        if limit < 0:
+            raise ValueError(f"robot_max_in_flight must be >= 0, got {limit}")
+        self.limit = limit
+        self._counts: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        """Robots with a request in flight."""
+        return len(self._counts)
+
+    def has_room(self, robot_id: str) -> bool:
+        return not self.limit or self._counts[robot_id] < self.limit
+
+    def admit(self, robot_id: str) -> None:
+        """Count one more request of ``robot_id`` (after ``has_room`` said so)."""
+        self._counts[robot_id] += 1
+
+    def release(self, robot_id: str) -> None:
+        """An admitted request of ``robot_id`` was answered (once per ``admit``)."""
+        assert self._counts[robot_id] > 0, f"robot {robot_id!r} released more requests than it had admitted"
+        self._counts[robot_id] -= 1
+        if not self._counts[robot_id]:
+            del self._counts[robot_id]

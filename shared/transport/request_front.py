@@ -11,6 +11,13 @@ floods answered there); everything else runs on the loop's thread, the one that 
 between messages. Other threads (the preparing thread, the lane's workers) hand their outcomes
 to the loop through ``mailbox``.
 
+Admission (``_admission_error``, then ``_charge_tokens`` once prepared) checks, in this order:
+draining; the request's priority against its identity's grant (``shared.transport.priority_grants``:
+``forbidden``); the lane's refusal; the robot's share of requests in flight; its request rate;
+once prepared, its prompt's tokens plus ``max_tokens`` against its token quota
+(``shared.transport.quota``). Token ids longer than ``max_prompt_ids`` are refused as the frame
+is decoded, on the socket's thread, before one Python int is made per id.
+
 With CURVE on, a robot acts as itself: its request ids start with its key's name and "/" (no
 robot can take an id another robot will use), its requests carry that name as ``robot_id``
 whatever they claim (its fairness share, quota and metrics are its own), it may cancel only its
@@ -41,14 +48,15 @@ import zmq
 
 from shared.protocol.codec import ProtocolError
 from shared.protocol.messages import (
-    Cancel, Chunk, Error, ErrorCode, Generate, Message, Result, Source, Stats,
+    MAX_PROMPT_IDS, Cancel, Chunk, Error, ErrorCode, Generate, Message, Result, Source, Stats,
 )
 from shared.transport.curve import OPERATOR, Caller, ServerCurve
 from shared.transport.execution_log import ExecutionLog, KeptResult, read_kept_results
 from shared.transport.ledger import LedgerEntry, RequestLedger
 from shared.transport.mailbox import Mailbox
 from shared.transport.preparing import Admitting, Preparer
-from shared.transport.quota import QuotaConfig, RobotQuotas
+from shared.transport.priority_grants import PriorityGrants
+from shared.transport.quota import InFlight, QuotaConfig, RobotQuotas
 from shared.transport.socket_front import Inbound, SocketFront
 
 log = logging.getLogger(__name__)
@@ -71,8 +79,12 @@ class FrontConfig:
     # a journal of every execution and its result (shared.transport.execution_log), where a restart
     # finds the results the process before it had not sent yet: "" = none
     execution_log: str = ""
-    robot_quota: QuotaConfig = field(default_factory=QuotaConfig)  # per robot, charged on arrival
+    robot_quota: QuotaConfig = field(default_factory=QuotaConfig)  # per robot: on arrival, then tokens once prepared
     frame_quota: QuotaConfig = field(default_factory=QuotaConfig)  # per sender; frames past it are dropped unread
+    robot_max_in_flight: int = 0  # requests one robot may have admitted and unanswered at once; 0: no cap
+    priority_grants: PriorityGrants = field(default_factory=PriorityGrants)  # default: every class for everyone
+    # prompt_ids / resume_token_ids longer than this are refused as the frame is decoded (cloudd: max_model_len)
+    max_prompt_ids: int = MAX_PROMPT_IDS
     curve_secret_key: str = ""
     curve_authorized_dir: str = ""
     curve_operator_dir: str = ""
@@ -163,10 +175,13 @@ class FrontCounters:
 
 class RequestFront(Generic[P]):
     """The lifecycle for ``lane``; ``endpoints`` holds the bound addresses once constructed.
-    ``on_frame_dropped`` runs on the socket's thread for each frame past its sender's rate."""
+    ``on_frame_dropped`` runs on the socket's thread for each frame past its sender's rate.
+    ``prompt_tokens``: how many tokens a prepared request's prompt holds, for its quota (the
+    default counts its ``prompt_ids``: a lane that tokenizes chat messages gives its own)."""
 
     def __init__(self, lane: Lane[P], config: FrontConfig, context: zmq.Context | None = None,
-                 on_frame_dropped: Callable[[], None] = lambda: None):
+                 on_frame_dropped: Callable[[], None] = lambda: None,
+                 prompt_tokens: Callable[[Generate, P], int] = lambda msg, _prepared: len(msg.prompt_ids)):
         self.lane = lane
         self.config = config
         self.context = context or zmq.Context.instance()
@@ -175,6 +190,8 @@ class RequestFront(Generic[P]):
             self._restore_results(config.execution_log)
         self.executions = ExecutionLog(config.execution_log)
         self.quotas = RobotQuotas(config.robot_quota)
+        self.in_flight = InFlight(config.robot_max_in_flight)
+        self._prompt_tokens = prompt_tokens
         self.counters = FrontCounters()
         self.mailbox = Mailbox()
         self.preparer: Preparer[P] = Preparer(f"{config.daemon}-prepare", self.mailbox)
@@ -184,7 +201,8 @@ class RequestFront(Generic[P]):
         self.curve = (ServerCurve(self.context, config.curve_secret_key, config.curve_authorized_dir,
                                   config.curve_operator_dir or None) if config.curve_secret_key else None)
         self.socket_front = SocketFront(self.context, config.endpoints, self.curve,
-                                  RobotQuotas(config.frame_quota), self.health, self._deliver, on_frame_dropped)
+                                  RobotQuotas(config.frame_quota), self.health, self._deliver, on_frame_dropped,
+                                  max_prompt_ids=config.max_prompt_ids)
         self.endpoints = self.socket_front.endpoints
 
     # --- the loop ------------------------------------------------------------------------------
@@ -285,7 +303,7 @@ class RequestFront(Generic[P]):
 
     def _handle(self, identity: bytes, caller: Caller, msg: Message, size: int) -> None:
         if isinstance(msg, Generate):
-            self._on_generate(identity, _as_caller(msg, caller), size)
+            self._on_generate(identity, caller, _as_caller(msg, caller), size)
         elif isinstance(msg, Cancel):
             self._on_cancel(identity, caller, msg)
         elif isinstance(msg, Stats):
@@ -295,7 +313,7 @@ class RequestFront(Generic[P]):
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.TYPE!r} is a reply, not a request",
                                 getattr(msg, "request_id", None))
 
-    def _on_generate(self, identity: bytes, msg: Generate, size: int) -> None:
+    def _on_generate(self, identity: bytes, caller: Caller, msg: Generate, size: int) -> None:
         """A retry of a request already known joins it (running, finished or being prepared);
         a new one passes admission, is prepared (here when the lane says it is quick), then
         ``_admit``."""
@@ -306,26 +324,42 @@ class RequestFront(Generic[P]):
                 self.send(identity, reply)
             return
         self.counters.requests += 1
-        refusal = self._admission_error(msg)
+        refusal = self._admission_error(caller, msg)
         if refusal is not None:
             self._reject(identity, msg, refusal)
             return
+        self.in_flight.admit(msg.robot_id)  # given back when it is answered (answer_unstarted, finish)
         self.preparer.start(identity, msg, functools.partial(self.lane.prepare, msg), self._admit,
                             here=self.lane.prepares_here(size))
 
-    def _admission_error(self, msg: Generate) -> Error | None:
+    def _admission_error(self, caller: Caller, msg: Generate) -> Error | None:
+        """Why a new request is refused on arrival (None: admitted; its request is then charged)."""
+        rid, robot = msg.request_id, msg.robot_id
         if self.draining:
-            return Error(ErrorCode.REJECTED, f"{self.config.daemon} is shutting down", msg.request_id)
+            return Error(ErrorCode.REJECTED, f"{self.config.daemon} is shutting down", rid)
+        grants = self.config.priority_grants
+        if not caller.operator_key and not grants.allows(robot, msg.priority):
+            granted = ", ".join(p.value for p in sorted(grants.classes_for(robot), key=lambda p: p.rank)) or "none"
+            return Error(ErrorCode.FORBIDDEN, f"priority {msg.priority.value!r} is not granted to {robot!r} "
+                         f"(granted: {granted}; see [serve] priority_grants)", rid)
         refusal = self.lane.refusal(msg)
         if refusal is not None:
             return refusal
-        if self.quotas.config.enabled and (wait := self.quotas.charge(msg.robot_id, msg.sampling.max_tokens)) > 0:
-            if math.isinf(wait):
-                return Error(ErrorCode.INVALID_REQUEST, f"quota: max_tokens {msg.sampling.max_tokens} is more than "
-                             f"robot {msg.robot_id!r} may use in a minute", msg.request_id)
-            return Error(ErrorCode.REJECTED, f"quota: robot {msg.robot_id!r} is over its rate; retry after "
-                         f"{wait:.1f} s", msg.request_id, retry_after_ms=math.ceil(wait * 1000))
-        return None
+        if not self.in_flight.has_room(robot):
+            return Error(ErrorCode.REJECTED, f"robot {robot!r} has {self.in_flight.limit} requests in flight, its "
+                         f"share of {self.config.daemon}: send more as they end", rid)
+        return self._quota_error(msg, tokens=0, requests=1)
+
+    def _quota_error(self, msg: Generate, tokens: int, requests: int) -> Error | None:
+        """Charge ``requests`` and ``tokens`` to ``msg``'s robot; the error if it is over its quota."""
+        if not self.quotas.config.enabled or (wait := self.quotas.charge(msg.robot_id, tokens, requests)) <= 0:
+            return None
+        if math.isinf(wait):
+            return Error(ErrorCode.INVALID_REQUEST, f"quota: {tokens} tokens (the prompt's and max_tokens "
+                         f"{msg.sampling.max_tokens}) are more than robot {msg.robot_id!r} may use in a minute",
+                         msg.request_id)
+        return Error(ErrorCode.REJECTED, f"quota: robot {msg.robot_id!r} is over its rate; retry after "
+                     f"{wait:.1f} s", msg.request_id, retry_after_ms=math.ceil(wait * 1000))
 
     def _admit(self, pending: Admitting, done: Future[P]) -> None:
         """Start a prepared request in the lane, or answer why it never runs."""
@@ -339,6 +373,10 @@ class RequestFront(Generic[P]):
             return self.answer_unstarted(pending, Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}", rid))
         if pending.cancelled_by:
             return self.answer_unstarted(pending, self.lane.cancelled_before_start(rid, prepared))
+        tokens = self._prompt_tokens(pending.msg, prepared) + pending.msg.sampling.max_tokens
+        over_quota = self._quota_error(pending.msg, tokens, requests=0)
+        if over_quota is not None:
+            return self.answer_unstarted(pending, over_quota)
         entry = self.ledger.open(pending.msg, pending.identities[0])
         for identity in pending.identities[1:]:
             entry.subscribe(identity)
@@ -351,6 +389,7 @@ class RequestFront(Generic[P]):
 
     def answer_unstarted(self, pending: Admitting, reply: Error | Result) -> None:
         """Answer a request that never ran: its senders, and those who cancelled it meanwhile."""
+        self.in_flight.release(pending.msg.robot_id)
         if isinstance(reply, Error):
             self._count_reject(pending.msg, reply)
         for identity in pending.everyone:
@@ -399,6 +438,7 @@ class RequestFront(Generic[P]):
         entry = self.ledger.live.get(request_id)
         if entry is None:
             return
+        self.in_flight.release(entry.robot_id)
         if isinstance(reply, Result):
             self.ledger.close(request_id, reply, time.monotonic())
             self.executions.ended(request_id, reply.finish_reason, KeptResult(

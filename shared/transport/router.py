@@ -33,23 +33,26 @@ def router_socket(context: zmq.Context) -> zmq.Socket:
 READ_BATCH = 64
 
 
-def incoming(socket: zmq.Socket, limit: int = READ_BATCH) -> Iterator[tuple[bytes, str | None, bytes, Message | Error]]:
-    """Up to ``limit`` waiting messages as ``(identity, user_id, payload, message)``: ``user_id``
-    is the sender's CURVE key (z85) where the connection authenticated, else None. A message
-    that does not decode (or has extra frames) comes as the ``Error`` to answer it with."""
+def incoming(socket: zmq.Socket, limit: int = READ_BATCH,
+             max_ids: int | None = None) -> Iterator[tuple[bytes, str | None, bool, bytes, Message | Error]]:
+    """Up to ``limit`` waiting messages as ``(identity, user_id, in_process, payload, message)``:
+    ``user_id`` is the sender's CURVE key (z85) where the connection authenticated, else None;
+    ``in_process``: the sender is in this process (``inproc``: the daemon's own HTTP front). A message
+    that does not decode (or has extra frames, or a list past ``max_ids``: see ``decode``) comes
+    as the ``Error`` to answer it with."""
     for _ in range(limit):
         try:
             frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
         identity, payload = frames[0].bytes, frames[-1].bytes
-        user_id = _user_id(frames[-1])
+        user_id, in_process = _user_id(frames[-1]), _in_process(frames[-1])
         try:
             if len(frames) != 2:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-            yield identity, user_id, payload, decode(payload)
+            yield identity, user_id, in_process, payload, decode(payload, max_ids=max_ids)
         except ProtocolError as e:
-            yield identity, user_id, payload, Error(e.code, e.message, e.request_id)
+            yield identity, user_id, in_process, payload, Error(e.code, e.message, e.request_id)
 
 
 def _user_id(frame: zmq.Frame) -> str | None:
@@ -57,6 +60,14 @@ def _user_id(frame: zmq.Frame) -> str | None:
         return frame.get("User-Id")
     except zmq.ZMQError:  # no authentication on this connection (plain TCP, inproc)
         return None
+
+
+def _in_process(frame: zmq.Frame) -> bool:
+    try:
+        frame.get("Peer-Address")  # tcp and ipc peers have one; inproc peers none
+    except zmq.ZMQError:
+        return True
+    return False
 
 
 def send_nowait(socket: zmq.Socket, identity: bytes, payload: bytes) -> None:

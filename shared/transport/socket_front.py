@@ -5,7 +5,9 @@ Answered here, whatever the loop is doing (a long engine step, a grammar being c
 ``health`` probe (from ``health()``), an undecodable message (the ``error`` ``incoming`` made of
 it), a message from a CURVE key that has been removed since it connected. A sender past its
 frame rate (``frames``: a bucket per CURVE key, else per connection) loses the frame unread:
-answering a flood would double it. Everything else goes to ``deliver`` as an ``Inbound``.
+answering a flood would double it. Senders in the daemon's own process (its HTTP front, which
+carries every HTTP tenant's requests and bounds them itself) have no frame rate. Everything
+else goes to ``deliver`` as an ``Inbound``.
 
 Replies come from the loop's thread through ``send``: an unbounded ``inproc`` pair, so the loop
 never blocks on the socket; this thread relays them to their clients.
@@ -42,12 +44,14 @@ class Inbound:
 class SocketFront:
     """Binds ``endpoints`` (``tcp://host:0`` takes a free port: ``endpoints`` then holds the
     bound one) on one ROUTER socket, with ``curve`` applied when given. ``start`` runs the
-    thread; ``close`` stops it after relaying the loop's last replies, and closes the socket."""
+    thread; ``close`` stops it after relaying the loop's last replies, and closes the socket.
+    ``max_prompt_ids``: longer token id lists are answered ``too_large`` as they are decoded."""
 
     def __init__(self, context: zmq.Context, endpoints: tuple[str, ...], curve: ServerCurve | None,
                  frames: RobotQuotas, health: Callable[[], str], deliver: Callable[[Inbound], None],
-                 on_frame_dropped: Callable[[], None] = lambda: None):
+                 on_frame_dropped: Callable[[], None] = lambda: None, max_prompt_ids: int | None = None):
         self.curve = curve
+        self._max_prompt_ids = max_prompt_ids
         self._frames = frames
         self._health = health
         self._deliver = deliver
@@ -103,8 +107,9 @@ class SocketFront:
             self.curve.stop()
 
     def _triage(self) -> None:
-        for identity, user_id, payload, msg in incoming(self.socket):
-            if self._frames.config.enabled and self._frames.charge(user_id or identity.hex(), 0) > 0:
+        for identity, user_id, in_process, payload, msg in incoming(self.socket, max_ids=self._max_prompt_ids):
+            limited = self._frames.config.enabled and not in_process
+            if limited and self._frames.charge(user_id or identity.hex(), 0) > 0:
                 self._on_frame_dropped()
             elif user_id is not None and self.curve is not None and not self.curve.allows(user_id):
                 self._reply(identity, Error(ErrorCode.UNAVAILABLE, "this client's CURVE key is no longer authorized",
