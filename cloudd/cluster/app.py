@@ -26,6 +26,13 @@ def deploy(cluster: ClusterConfig, serve_args: dict, app_name: str = APP_NAME):
     deployment handle once all are ready. A process keeps one router per application: a
     redeployment with another ``router`` needs another name."""
     _, serve = import_ray()
+    return serve.run(application(cluster, serve_args), name=app_name, route_prefix=None)
+
+
+def application(cluster: ClusterConfig, serve_args: dict):
+    """The replicas' Serve application (``EngineReplica`` with its options, bound to
+    ``serve_args``), not yet running: what ``deploy`` runs and ``serve build`` describes."""
+    _, serve = import_ray()
     from ray.serve.config import RequestRouterConfig
 
     from cloudd.cluster.ray_router import FleetRequestRouter
@@ -51,8 +58,7 @@ def deploy(cluster: ClusterConfig, serve_args: dict, app_name: str = APP_NAME):
     else:
         options["num_replicas"] = cluster.replicas
     threads = max(1, round(cluster.num_cpus_per_replica))
-    app = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(serve_args, threads)
-    return serve.run(app, name=app_name, route_prefix=None)
+    return serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(serve_args, threads)
 
 
 def serve_cluster(cluster: ClusterConfig, serve_args: dict, model_path, ports: dict[str, int | None],

@@ -10,7 +10,8 @@ ROUTERS = ("fleet", "hash", "pow2")
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    # "" starts a local Ray instance on loopback only; "auto" or "ray://host:port" joins a cluster
+    # "" starts a local Ray instance on loopback only; "<head-ip>:6379" (the head's GCS) or "auto"
+    # (this machine is a node of it) joins a cluster started with `ray start` (docs/cluster.md)
     address: str = ""
     replicas: int = 2  # replicas at start (and always, unless max_replicas > min_replicas)
     min_replicas: int = 0  # 0: = replicas

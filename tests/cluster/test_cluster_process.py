@@ -1,8 +1,8 @@
 """`cloudd cluster serve` for real: a local Ray instance with 2 replicas of the default model, in
 a network namespace that has only loopback (every Serve replica listens on all interfaces; no
 setting moves it). The cases live in ``cases_in_netns.py`` (and ``cloudd bench --cluster``'s in
-``bench_cases_in_netns.py``); this test runs them there with
-``unshare -n`` (CI runs as root), and Ray missing is checked here."""
+``bench_cases_in_netns.py``, a two-node Ray cluster's in ``node_cases_in_netns.py``); these tests
+run them there with ``unshare -n`` (CI runs as root), and Ray missing is checked here."""
 
 from __future__ import annotations
 
@@ -21,9 +21,18 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_the_cluster_cases_pass_in_a_loopback_only_namespace():
+    run_in_netns("cases_in_netns.py", "bench_cases_in_netns.py")
+
+
+def test_a_two_node_cluster_loses_no_request_when_a_node_dies_in_a_loopback_only_namespace():
+    run_in_netns("node_cases_in_netns.py")
+
+
+def run_in_netns(*case_files: str) -> None:
+    """Run ``case_files``' tests with pytest in a new network namespace that has only loopback."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) for a loopback-only network namespace (CI has both)")
-    cases = " ".join(str(HERE / name) for name in ("cases_in_netns.py", "bench_cases_in_netns.py"))
+    cases = " ".join(str(HERE / name) for name in case_files)
     inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider -p no:warnings --tb=short {cases}"
     proc = subprocess.Popen(["unshare", "-n", "sh", "-c", inner], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=HERE.parents[1], start_new_session=True)
