@@ -127,9 +127,11 @@ class ClusterFront(Lane[Generate]):
         for msg in self.fair.take(self.capacity):
             self._spawn(self._run(msg))
 
-    def _ended(self, request_id: str) -> None:
-        """The front's loop: a dispatched request's replica call is over; its slot goes on."""
+    def _end(self, request_id: str, reply: Result | Error) -> None:
+        """The front's loop: a dispatched request ends with ``reply``. Its slot is freed first,
+        so that a retry under its id (after an error) is a new request to fair admission."""
         self.fair.ended(request_id)
+        self.front.finish(request_id, reply)
         self._dispatch_fairly()
 
     def cancel_all(self, why: str) -> None:
@@ -170,7 +172,6 @@ class ClusterFront(Lane[Generate]):
             self._executions.pop(msg.request_id, None)
             if self.routing is not None:  # ranked but never routed: not load any more
                 self.routing.forget(msg.request_id)
-            self._post(lambda: self._ended(msg.request_id))
 
     async def _serve(self, msg: Generate) -> None:
         """Serve ``msg`` on a replica, and again after the last token relayed on another while
@@ -219,22 +220,21 @@ class ClusterFront(Lane[Generate]):
 
     def _post_end(self, request_id: str, error: Error) -> None:
         """Dispatch thread: end a request with ``error`` on the front's loop."""
-        self._post(lambda: self.front.finish(request_id, error))
+        self._post(lambda: self._end(request_id, error))
 
     def _relay(self, request_id: str, reply: Message) -> None:
         """The front's loop: a replica's reply, under the request's own id: a chunk numbered in
         the front's sequence, the result with the whole output (a resumed replica's holds only
-        what it added), an error as it is."""
+        what it added), an error as it is. An end frees the request's slot even when it has no
+        subscriber left to hear it."""
         entry = self.front.live(request_id)
-        if entry is None:
-            return
         if isinstance(reply, Chunk):
-            self.front.emit(request_id, reply.token_ids, reply.text, reply.source)
+            self.front.emit(request_id, reply.token_ids, reply.text, reply.source)  # (nothing once ended)
         elif isinstance(reply, Result):
-            self.front.finish(request_id, dataclasses.replace(reply, request_id=request_id, text="".join(entry.text),
-                                                              token_ids=tuple(entry.token_ids)))
+            self._end(request_id, reply if entry is None else dataclasses.replace(
+                reply, request_id=request_id, text="".join(entry.text), token_ids=tuple(entry.token_ids)))
         elif isinstance(reply, Error):
-            self.front.finish(request_id, dataclasses.replace(reply, request_id=request_id))
+            self._end(request_id, dataclasses.replace(reply, request_id=request_id))
 
     async def _cancel(self, request_id: str) -> None:
         """Ask the request's replica to cancel it, once the router has placed it."""

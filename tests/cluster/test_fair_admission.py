@@ -14,8 +14,8 @@ import pytest
 from cloudd.cluster.fair_dispatch import FairDispatch
 from cloudd.cluster.front import ClusterFront
 from shared.protocol.codec import decode, encode
-from shared.protocol.messages import Chunk, Generate, Priority, Result, Sampling, Usage
-from shared.transport.client import FleetClient
+from shared.protocol.messages import Chunk, Error, ErrorCode, Generate, Priority, Result, Sampling, Usage
+from shared.transport.client import FleetClient, RequestFailed
 from shared.transport.request_front import FrontConfig
 
 WAIT_S = 30.0  # how long a condition may take to come true before the test fails (never a timing check)
@@ -61,6 +61,7 @@ class HeldReplicas:
 
     def __init__(self) -> None:
         self.dispatched: list[str] = []  # request ids, in the order they reached a replica
+        self.fail_once: set[str] = set()  # these answer an error at once, their streams ending on "<id>#end"
         self._gates: dict[str, asyncio.Event] = {}
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -72,10 +73,16 @@ class HeldReplicas:
     async def remote(self, hint, payload: bytes) -> AsyncIterator[list[bytes]]:
         msg = decode(payload)
         gate = asyncio.Event()
+        failing = msg.request_id in self.fail_once
+        self.fail_once.discard(msg.request_id)
         with self._lock:
             self.loop = asyncio.get_running_loop()
-            self._gates[msg.request_id] = gate
+            self._gates[msg.request_id + ("#end" if failing else "")] = gate
             self.dispatched.append(msg.request_id)
+        if failing:  # as over Ray: the error arrives, the stream's end a little later
+            yield [encode(Error(ErrorCode.REJECTED, "try again", msg.request_id))]
+            await gate.wait()
+            return
         await gate.wait()
         yield [encode(Chunk(msg.request_id, 0, (7,), "x")),
                encode(Result(msg.request_id, "x", "length", Usage(3, 1), token_ids=(7,)))]
@@ -159,3 +166,17 @@ def test_a_request_cancelled_while_waiting_at_the_front_never_reaches_a_replica(
         replicas.release(f"flood-{i}")
     assert [c.result(WAIT_S).finish_reason for c in calls[:4]] == ["length"] * 4
     assert "flood-4" not in replicas.dispatched and settled(front)
+
+
+def test_a_retry_right_after_an_error_is_a_new_request_to_fair_admission(held):
+    replicas, front, client = held
+    replicas.fail_once.add("flaky-0")
+    with pytest.raises(RequestFailed) as failed:
+        client.start(ask("flaky", 0)).result(WAIT_S)
+    assert failed.value.error.code is ErrorCode.REJECTED
+    retry = client.start(ask("flaky", 0))  # while the first execution's stream has not ended yet
+    replicas.release("flaky-0")
+    assert retry.result(WAIT_S).finish_reason == "length"
+    assert replicas.dispatched == ["flaky-0", "flaky-0"]
+    replicas.release("flaky-0#end")
+    assert settled(front)
