@@ -18,5 +18,6 @@ __all__ = [
     "AsyncPlanClient", "PlanClient", "DEADLINE_GRACE_S",
     "Plan", "PlanStep", "PlanText", "PlanStepEvent", "PlanDone", "PlanEvent", "ChatReply",
     "Skill", "Arg", "skill", "as_skills", "Scene", "Place", "Thing", "Person", "Priority", "Escalation",
-    "PlanError", "DeadlineExceeded", "Rejected", "Forbidden", "Unavailable", "InvalidPlan", "InvalidRequest", "Cancelled",
+    "PlanError", "DeadlineExceeded", "Rejected", "Forbidden", "Unavailable", "InvalidPlan", "InvalidRequest",
+    "Cancelled",
 ]

@@ -27,6 +27,8 @@ from shared.transport.client import ClientConfig, FleetClient
 from tests.engine.tiny import tiny_model
 
 ROBOTS = ("amr-1", "forklift-north-warehouse-0042")  # the second is longer than any robot column
+# its robots send safety, which [serve] grants only where named (issue 48: priority is a permission)
+ROBOT_GRANTS = {"*": ("safety", "interactive", "plan", "background")}
 LIVE_ID = "long-running-safety-check"  # still streaming when the busy snapshot is taken
 CLASSES = [p.value for p in Priority]
 SNAPSHOT_KEYS = {"model", "model_arch", "model_params", "uptime_s", "state", "throughput", "engine", "queue", "latency", "by_priority",
@@ -48,7 +50,8 @@ def fleet() -> Iterator[Fleet]:
     model = tiny_model(tie_word_embeddings=False)
     params = sum(p.numel() for p in model.parameters())
     engine = Engine(model, None, EngineConfig(block_size=4, num_blocks=512), policy=FleetPolicy())
-    serving = ServingEngine(engine, None, "tiny", ServeConfig(zmq_port=0, shutdown_grace_s=0), "fleet", 0.0)
+    serve = ServeConfig(zmq_port=0, shutdown_grace_s=0, priority_grants=ROBOT_GRANTS)
+    serving = ServingEngine(engine, None, "tiny", serve, "fleet", 0.0)
     server = CloudServer(engine, serving.serve, "tiny")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -31,9 +31,13 @@ def serve(tmp_path, *extra: str, config: str = "") -> DaemonProcess:
                          ready="cloudd ready:")
 
 
+# its robots send safety, which [serve] grants only where named (issue 48: priority is a permission)
+ROBOT_GRANTS = '[serve.priority_grants]\n"a*" = ["safety", "interactive", "plan", "background"]\n'
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
-    d = serve(tmp_path_factory.mktemp("cloudd"))
+    d = serve(tmp_path_factory.mktemp("cloudd"), config=ROBOT_GRANTS)
     yield d
     assert d.terminate() == 0, d.log()
 

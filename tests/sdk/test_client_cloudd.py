@@ -45,10 +45,14 @@ SHORT = {"skills": SKILLS, "max_steps": 2, "max_tokens": max_plan_tokens(as_skil
 LONG = {"skills": SKILLS, "max_tokens": max_plan_tokens(as_skills(SKILLS), 8)}  # eight steps may run
 
 
+# its robots send safety, which [serve] grants only where named (issue 48: priority is a permission)
+ROBOT_GRANTS = '[serve.priority_grants]\n"a*" = ["safety", "interactive", "plan", "background"]\n'
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
     cfg = tmp_path_factory.mktemp("cloudd") / "cloudd.toml"
-    cfg.write_text("[engine]\nnum_blocks = 2048\n")
+    cfg.write_text("[engine]\nnum_blocks = 2048\n" + ROBOT_GRANTS)
     d = DaemonProcess("cloudd", ["serve", "--config", str(cfg), "--zmq-port", "0", "--http-port", "0"],
                       ready="cloudd ready:")
     yield d
