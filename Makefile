@@ -75,13 +75,14 @@ bench: model kernels
 bench-serve: model kernels
 	.ci/bench-serve.sh $(VENV)
 
-# cloudd cluster's routers side by side (2 replicas under fleet, hash and Ray's pow2, then one
-# replica on the same requests; about 20 minutes on 2 cores), in a network namespace that has only
-# loopback (root: every Serve replica listens on all interfaces); JSON into bench-cluster.json.
+# cloudd cluster's routers side by side where caches evict (issue 50's bar): 2 replicas, each with a
+# KV pool of a quarter of fleet-returning's working set, under fleet and Ray's pow2, then one
+# replica with both pools, on the same requests; in a network namespace that has only loopback
+# (root: every Serve replica listens on all interfaces); JSON into bench-cluster.json.
 bench-cluster: model kernels
 	unshare -n sh -c 'ip link set lo up && exec $(PY) -m cloudd bench --cluster --replicas 2 \
-	  --router fleet,hash,pow2 --trace ../shared/workloads/fleet-1024.jsonl --limit 512 --output-len 16 \
-	  --no-compile --json' > bench-cluster.json
+	  --router fleet,pow2 --trace ../shared/workloads/fleet-returning.jsonl --limit 1024 --output-len 8 \
+	  --device-pool-frac 0.25 --no-compile --json' > bench-cluster.json
 
 # Reliability: real cloudd and edged (CURVE on, loopback only) fuzzed with a million frames each
 # and cloudd's HTTP API with malformed, half-sent and idle requests, then eight faults with plans

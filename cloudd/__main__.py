@@ -125,7 +125,7 @@ def _cmd_cluster_bench(args) -> int:
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
     opts = ClusterBenchOptions(args.trace, cluster, args.router, _replica_args(args), args.output_len, args.limit,
-                               args.rate_scale)
+                               args.rate_scale, args.device_pool_frac)
     with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
         result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.json:
@@ -133,7 +133,8 @@ def _cmd_cluster_bench(args) -> int:
     else:
         for router, r in result["runs"].items():
             print(f"{router}: prefix hit {r['prefix_hit_rate']:.3f}, {r['output_tok_s']:.1f} output tok/s")
-        print(f"one replica: prefix hit {result['single_replica_prefix_hit_rate']:.3f}")
+        single = result["single_replica"]["prefix_hit_rate"]
+        print(f"one replica{' with the combined pool' if 'pool' in result else ''}: prefix hit {single:.3f}")
     return 0
 
 
@@ -289,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="HiCache KV tiers variants, comma list (off,on,layerwise: on with every host "
                             "load run layer by layer); [hicache] in --config sizes them")
     bench.add_argument("--device-pool-frac", type=float,
-                       help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks)")
+                       help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks); "
+                            "with --cluster each replica's, and the single replica gets them combined")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     bench.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     bench.add_argument("--profile", action="store_true",
