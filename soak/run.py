@@ -1,5 +1,7 @@
 """One soak run: start the fleet, fuzz both daemons and cloudd's HTTP API, run the fault matrix
-with plans in flight, account for every request, and return the report (``SoakReport``).
+with plans in flight, run the hostile-tenant phase (``soak.hostile``), account for every request,
+and return the report (``SoakReport``). ``SoakSettings.phases`` picks the phases ("fuzz",
+"faults", "hostile"); edged is started only for the first two.
 
 Accounting, over every plan the robots sent:
 
@@ -10,6 +12,9 @@ Accounting, over every plan the robots sent:
   journal (across that daemon's restarts). A run cut short by a kill, then resent and run
   again, is one execution: its first run never ended;
 - ``crashes``: a daemon that exited without the harness killing it.
+
+The hostile phase adds its victim's plans to ``requests`` and ``lost``, and its per-kind verdicts
+(``hostile.<kind>``, each with ``victim_gap_p99_s`` and ``baseline_gap_p99_s``) to the pass.
 
 After each fault, once cloudd is idle, ``kv_check`` must say "ok" (every KV block free or held by
 the prefix cache alone) and a greedy probe answered from the prefix cache must give the tokens it
@@ -30,6 +35,8 @@ from shared.transport.execution_log import read_executions
 from soak.faults import FAULTS, restore_disk_dir, run_fault
 from soak.fleet import FUZZ_ROBOT, Fleet
 from soak.fuzz_frames import FrameSource
+from soak.hostile import HostileSettings, run_hostile
+from soak.hostile_bar import verdict_lines
 from soak.http_fuzz import fuzz_http
 from soak.plans import LATE_MARGIN_S, Outcome, Traffic
 from soak.probes import HealthWatch, ProcessResources, resources_dict
@@ -38,6 +45,7 @@ from soak.socket_fuzz import fuzz_socket
 DIRECT_ROBOTS = ["amr-001", "amr-002", "amr-003", "amr-004"]
 PROBE = [{"role": "user", "content": "List three things a warehouse robot checks before it lifts a shelf."}]
 RSS_BOUND_MB = 256.0  # a daemon's growth over a million fuzz frames (allocator and caches warming)
+PHASES = ("fuzz", "faults", "hostile")
 
 
 @dataclass(frozen=True)
@@ -49,12 +57,15 @@ class SoakSettings:
     # per daemon; cloudd took 175 to 380 s for its million on machines of this kind (its engine
     # computing the fuzz's valid requests, some of thousands of tokens, takes the cores)
     fuzz_time_limit_s: float = 420.0
+    phases: tuple[str, ...] = PHASES
+    hostile: HostileSettings = HostileSettings()
 
 
 @dataclass
 class SoakReport:
     fuzz: dict = field(default_factory=dict)
     faults: dict = field(default_factory=dict)
+    hostile: dict = field(default_factory=dict)  # per attack kind: soak.hostile's entry
     requests: int = 0
     answers: Counter = field(default_factory=Counter)
     crashes: int = 0
@@ -72,10 +83,13 @@ class SoakReport:
         http = self.fuzz.get("http")
         http_ok = not http or (http["server_errors"] == 0 and http["answered_after_idle"]
                                and http["slow_closed_by_server"] == http["slow_sent"] and http["health"]["over_bound"] == 0)
-        return fuzz_ok and faults_ok and http_ok and not (self.crashes or self.lost or self.duplicated or self.late)
+        hostile_ok = all(entry["passed"] for entry in self.hostile.values())
+        return fuzz_ok and faults_ok and http_ok and hostile_ok and not (self.crashes or self.lost or self.duplicated
+                                                                         or self.late)
 
     def as_dict(self) -> dict:
-        return {"passed": self.passed, "fuzz": self.fuzz, "faults": self.faults, "requests": self.requests,
+        return {"passed": self.passed, "fuzz": self.fuzz, "faults": self.faults, "hostile": self.hostile,
+                "requests": self.requests,
                 "answers": dict(self.answers), "crashes": self.crashes, "lost": self.lost,
                 "duplicated": self.duplicated, "late": self.late, "late_margin_s": LATE_MARGIN_S,
                 "rss_bound_mb": RSS_BOUND_MB, **self.details}
@@ -87,24 +101,18 @@ def run_soak(settings: SoakSettings, log=print) -> SoakReport:
     with tempfile.TemporaryDirectory(prefix="fleetserve-soak-") as tmp:
         fleet = Fleet(Path(tmp), DIRECT_ROBOTS)
         try:
-            log("starting cloudd and edged (CURVE on, loopback only)...")
+            log("starting the fleet (CURVE on, loopback only)...")
             fleet.start_cloudd()
-            fleet.start_edged()
-            probe = _probe(fleet)
+            if "fuzz" in settings.phases or "faults" in settings.phases:
+                fleet.start_edged()
+            probe = _probe(fleet)  # before any fuzz or fault: what every fault's check compares with
             log(f"prefix probe: {probe!r}")
-            _fuzz(fleet, settings, report, log)
-            traffic = Traffic(lambda robot: fleet.robot_client(robot))
-            for name in settings.faults:
-                log(f"fault {name}: plans in flight...")
-                started = time.monotonic()
-                try:
-                    outcomes = run_fault(FAULTS[name], fleet, traffic)
-                finally:
-                    restore_disk_dir(fleet)
-                fleet.check_alive()
-                report.faults[name] = _fault_entry(fleet, outcomes, probe, time.monotonic() - started)
-                _account(report, outcomes)
-                log(f"fault {name}: {report.faults[name]}")
+            if "fuzz" in settings.phases:
+                _fuzz(fleet, settings, report, log)
+            if "faults" in settings.phases:
+                _faults(fleet, settings, report, probe, log)
+            if "hostile" in settings.phases:
+                _hostile(fleet, settings, report, log)
             fleet.check_alive()
         finally:
             codes = fleet.stop()
@@ -115,6 +123,32 @@ def run_soak(settings: SoakSettings, log=print) -> SoakReport:
                           "disk_write_errors": fleet.disk_write_errors, "seconds": round(time.monotonic() - began, 1),
                           "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}}
     return report
+
+
+def _faults(fleet: Fleet, settings: SoakSettings, report: SoakReport, probe: dict, log) -> None:
+    traffic = Traffic(lambda robot: fleet.robot_client(robot))
+    for name in settings.faults:
+        log(f"fault {name}: plans in flight...")
+        started = time.monotonic()
+        try:
+            outcomes = run_fault(FAULTS[name], fleet, traffic)
+        finally:
+            restore_disk_dir(fleet)
+        fleet.check_alive()
+        report.faults[name] = _fault_entry(fleet, outcomes, probe, time.monotonic() - started)
+        _account(report, outcomes)
+        log(f"fault {name}: {report.faults[name]}")
+
+
+def _hostile(fleet: Fleet, settings: SoakSettings, report: SoakReport, log) -> None:
+    log(f"hostile tenants: {', '.join(settings.hostile.kinds)}...")
+    kinds = run_hostile(fleet, settings.hostile, lambda: _idle_stats(fleet, wait_s=30.0), log)
+    for kind in kinds:
+        report.hostile[kind.result.kind] = kind.entry
+        report.requests += kind.entry["victim_plans"] + kind.entry["baseline_plans"]
+        report.lost += kind.result.lost
+    for line in verdict_lines([kind.result for kind in kinds]):
+        log(line)
 
 
 def _fuzz(fleet: Fleet, settings: SoakSettings, report: SoakReport, log) -> None:
