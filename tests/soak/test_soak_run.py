@@ -1,5 +1,6 @@
 """A short soak end to end: real cloudd and edged on loopback with CURVE, both fuzzed, one fault
-with plans in flight, every plan accounted for. (``make soak`` runs the full one; this checks the
+with plans in flight, every plan accounted for (the hostile phase, minutes of windows, is
+``python -m soak --only hostile``'s). (``make soak`` runs the full one; this checks the
 harness and the daemons' answers, not speed: no timing is asserted.)"""
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from soak.run import SoakSettings, run_soak
 
 
 def test_a_short_soak_loses_nothing_and_runs_nothing_twice():
-    report = run_soak(SoakSettings(frames=2_000, http_requests=30, faults=("link_drop",)), log=lambda line: None)
+    report = run_soak(SoakSettings(frames=2_000, http_requests=30, faults=("link_drop",), phases=("fuzz", "faults")),
+                      log=lambda line: None)
     assert report.crashes == 0, report.details["crash_logs"]
     assert report.lost == 0 and report.duplicated == 0
     assert report.requests == 4 and set(report.faults) == {"link_drop"}
