@@ -60,9 +60,9 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0  # on stop, running requests get this long to finish
     idle_poll_ms: int = 50  # how long the loop sleeps on the socket when the engine is idle
     max_robot_labels: int = 64  # Prometheus robot label series kept (the robots seen last)
-    http_timeout_s: float = 30.0  # an HTTP connection silent this long is closed
+    http_timeout_s: float = 30.0  # the most an HTTP request head, a body or one write to a client may take
     stall_after_s: float = 10.0  # an engine turn running longer: health answers "stalled"
-    http_max_connections: int = 256  # more open at once: the next is answered 503
+    http_max_connections: int = 256  # HTTP generation requests in progress (not connections); the next: 503
     # Per-robot limits (shared.transport.quota; 0 = off), on by default. The busiest robot of the
     # fleet traces (shared/workloads: 32 to 256 robots) sends 4 requests in a second, 6 in ten, 15 in
     # a minute, and 12,150 tokens (prompt + max_tokens) in a minute: these leave it 2.5-4x headroom.

@@ -1,7 +1,7 @@
 """Fuzz cloudd's OpenAI HTTP API over raw sockets: malformed requests, slow and half-sent ones,
 and a crowd of idle connections.
 
-Every malformed request must get a status line (4xx, or 503 when the connection cap is full)
+Every malformed request must get a status line (4xx, or 503 when the request slots are full)
 and never a 500; a slow or half-sent request must be closed by the server's timeout (or
 answered), and the idle crowd must not keep the server from answering the next client once it
 has been closed.
@@ -132,8 +132,8 @@ def _exchange(port: int, payload: bytes) -> str:
     """Send ``payload`` on a fresh connection; the status code, or "closed" with no status line."""
     with _open(port) as conn:
         try:
+            # NOTE: no half-close after it: the server takes a closed read side as the client gone
             conn.sendall(payload)
-            conn.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # the server may close on us mid-send (an oversize body): its answer is still readable
         try:

@@ -4,7 +4,6 @@ through the official `openai` client: `stream_options.include_usage` as OpenAI s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import stat
@@ -16,15 +15,13 @@ from collections.abc import Iterator
 import pytest
 
 from cloudd.api_keys import ApiKeys, make_key
-from cloudd.http_api import ApiContext, _ends_request, make_http_server
-from cloudd.server import CloudServer, ServeConfig
-from shared.engine.engine import Engine
-from shared.engine.engine_config import EngineConfig
-from shared.model.gguf_loader import build_tokenizer, read_gguf
+from cloudd.http_api import ApiContext, HttpLimits
+from cloudd.http_api.calls import ends_request
 from cloudd.metrics import ServerMetrics
+from shared.model.gguf_loader import build_tokenizer, read_gguf
 from shared.protocol.messages import Chunk, Generate, Sampling
 from shared.transport.client import ClientConfig, FleetClient, RequestInFlight
-from tests.engine.tiny import tiny_model
+from tests.cloudd.http_serving import address, post_head, raw_http, serve_api, serve_http, unused_endpoint
 
 openai = pytest.importorskip("openai")
 
@@ -34,32 +31,12 @@ PROMPT = "A robot arm picks"
 FIXED = {"temperature": 0, "extra_body": {"ignore_eos": True}}  # greedy, exactly max_tokens tokens
 
 
-@contextlib.contextmanager
-def serve_http(tokenizer, **serve) -> Iterator[str]:
-    """The base URL of an HTTP front end on a CloudServer (``ServeConfig(**serve)``) in a thread."""
-    model = tiny_model(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
-    engine = Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=256))
-    server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0, **serve), "tiny")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    client = FleetClient(server.inproc_endpoint, context=server.context)
-    front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, server.metrics, "tiny"))
-    threading.Thread(target=front.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{front.server_address[1]}"
-    finally:
-        front.shutdown()
-        client.close()
-        server.stop()
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def http(default_model_path) -> Iterator[tuple[str, object]]:
     """(base URL, tokenizer) of an HTTP front end on a CloudServer running in a thread."""
     tokenizer = build_tokenizer(read_gguf(default_model_path)[0])
-    with serve_http(tokenizer) as url:
-        yield url, tokenizer
+    with serve_http(tokenizer) as served:
+        yield served.url, tokenizer
 
 
 @pytest.fixture
@@ -178,7 +155,7 @@ def test_null_stream_options_are_absent_options(api):
     ((), 1, Sampling(max_tokens=3), False),  # text held back from earlier tokens
 ])
 def test_a_chunk_ends_its_request_by_the_engine_s_stop_rule(tokens, num_tokens, sampling, ends):
-    assert _ends_request(Chunk("r", 0, tokens, ""), num_tokens, sampling, frozenset({0, 2})) is ends
+    assert ends_request(Chunk("r", 0, tokens, ""), num_tokens, sampling, frozenset({0, 2})) is ends
 
 
 @pytest.mark.parametrize("extra", [
@@ -200,40 +177,18 @@ def test_an_integer_beyond_the_wire_is_a_400_and_the_api_keeps_serving(api, http
 def test_a_request_id_already_in_flight_is_a_409(http):
     """Found in review: a second request under a live id was handed the first one's call; the two
     handlers then read each other's replies and the first waited for ever. Here the first is kept
-    in flight for sure: its daemon never answers."""
-    tokenizer = http[1]
-    with socket.socket() as s:  # a loopback port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    client = FleetClient(endpoint, ClientConfig(timeout_s=60, retries=0))
-    front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, ServerMetrics(), "tiny"))
-    threading.Thread(target=front.serve_forever, daemon=True).start()
+    in flight for sure: its daemon never answers (it is the anonymous tenant's id, as the API
+    without keys namespaces it)."""
+    client = FleetClient(unused_endpoint(), ClientConfig(timeout_s=60, retries=0))
     try:
-        client.start(Generate(request_id="shared-id", prompt_ids=(1, 2, 3)))
-        status, text = post_error(f"http://127.0.0.1:{front.server_address[1]}",
-                                  {"messages": MESSAGES, "request_id": "shared-id"})
-        assert status == 409 and "already in flight" in text
-        with pytest.raises(RequestInFlight):
-            client.start(Generate(request_id="shared-id", prompt_ids=(1, 2, 3)))
+        with serve_api(ApiContext(client, http[1], ServerMetrics(), "tiny")) as url:
+            client.start(Generate(request_id="/http//shared-id", prompt_ids=(1, 2, 3)))
+            status, text = post_error(url, {"messages": MESSAGES, "request_id": "shared-id"})
+            assert status == 409 and "already in flight" in text and "/http/" not in text
+            with pytest.raises(RequestInFlight):
+                client.start(Generate(request_id="/http//shared-id", prompt_ids=(1, 2, 3)))
     finally:
-        front.shutdown()
         client.close()
-
-
-def raw_http(url: str, data: bytes) -> bytes:
-    """Send ``data`` on a fresh connection and read until the server closes it."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(data)
-        received = b""
-        while chunk := conn.recv(65536):
-            received += chunk
-    return received
-
-
-def post_head(length: str) -> bytes:
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode()
 
 
 @pytest.mark.parametrize("length", ["-1", "abc", "7.0", "1_000"])
@@ -241,13 +196,13 @@ def test_a_content_length_that_is_not_a_byte_count_is_a_400(http, length):
     """Found in review: -1 read until close (400 MiB accepted past the 1 MiB limit), and a
     non-numeric length closed the connection with no answer."""
     reply = raw_http(http[0], post_head(length) + b'{"messages": []}')
-    assert reply.startswith(b"HTTP/1.1 400") and b"Content-Length must be a number" in reply
+    assert reply.startswith(b"HTTP/1.1 400") and b"bad Content-Length" in reply
 
 
 def test_an_oversize_body_is_a_413_and_its_bytes_are_not_read_as_a_next_request(http):
     """Found in review: the oversize body was left unread and parsed as the next request."""
     hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # would be answered if the body were parsed
-    reply = raw_http(http[0], post_head(str(2 << 20)).replace(b"Connection: close", b"Connection: keep-alive") + hidden)
+    reply = raw_http(http[0], post_head(str(2 << 20), connection="keep-alive") + hidden)
     assert reply.startswith(b"HTTP/1.1 413")
     assert reply.count(b"HTTP/1.1 ") == 1
 
@@ -258,51 +213,43 @@ def test_json_nested_too_deeply_is_a_400(http):
     assert reply.startswith(b"HTTP/1.1 400") and b"nested too deeply" in reply
 
 
-def test_a_half_sent_request_is_dropped_after_the_timeout_and_connections_are_capped(http):
-    """Found in review: 500 half-sent requests held 509 threads for 60 s and more."""
-    client = FleetClient("inproc://nobody")  # never reached: no request gets that far
-    front = make_http_server("127.0.0.1", 0, ApiContext(client, http[1], ServerMetrics(), "t"), timeout_s=0.5,
-                             max_connections=2)
-    threading.Thread(target=front.serve_forever, daemon=True).start()
-    address = front.server_address[:2]
-    try:
-        held = [socket.create_connection(address, timeout=30) for _ in range(2)]
-        for conn in held:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-        with socket.create_connection(address, timeout=30) as third:
-            assert third.recv(1024).startswith(b"HTTP/1.1 503")
-        for conn in held:  # closed, unanswered, once silent for the timeout
-            assert conn.recv(1024) == b""
-            conn.close()
-        with socket.create_connection(address, timeout=30) as later:  # their slots are free again
-            later.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            assert later.recv(1024).startswith(b"HTTP/1.1 200")
-    finally:
-        front.shutdown()
-        client.close()
+class _StartsRecorded(FleetClient):
+    """A client whose ``started`` is set once a request has been started on it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.started = threading.Event()
+
+    def start(self, request, notify=None):
+        call = super().start(request, notify)
+        self.started.set()
+        return call
 
 
-def test_a_closed_connection_s_slot_is_free_before_its_client_sees_the_close(http):
-    """Found in a fresh clone's run: the slot was given back after the socket closed, so a
-    client that reconnected at once could find it still taken and get a 503."""
-    client = FleetClient("inproc://nobody")  # never reached: /v1/models is answered by the front
-    front = make_http_server("127.0.0.1", 0, ApiContext(client, http[1], ServerMetrics(), "t"), max_connections=1)
-    threading.Thread(target=front.serve_forever, daemon=True).start()
+def test_requests_in_progress_are_capped_and_a_half_sent_request_is_dropped_after_the_timeout(http):
+    """A slot is a generation request in progress (its head, key and body read), not a
+    connection: past the cap a request is a 503 with Retry-After, and a connection whose body
+    never comes is answered 408 and closed once the timeout has passed."""
+    client = _StartsRecorded(unused_endpoint(), ClientConfig(timeout_s=60, retries=0))  # requests stay in flight
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
+    limits = HttpLimits(timeout_s=0.5, max_requests=1)
     try:
-        for _ in range(100):  # one connection after another, each opened once the last has closed
-            with socket.create_connection(front.server_address[:2], timeout=30) as conn:
-                conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                reply = b""
-                while chunk := conn.recv(65536):
-                    reply += chunk
-            assert reply.startswith(b"HTTP/1.1 200"), reply
+        with serve_api(ApiContext(client, http[1], ServerMetrics(), "t"), limits) as url:
+            with socket.create_connection(address(url), timeout=30) as first:
+                first.sendall(post_head(str(len(body))) + body)  # in progress for ever
+                assert client.started.wait(timeout=60)
+                second = raw_http(url, post_head(str(len(body))) + body)
+                assert second.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in second.lower()
+            with socket.create_connection(address(url), timeout=30) as half:
+                half.sendall(post_head("100") + b'{"messages"')  # and never the rest
+                assert half.recv(65536).startswith(b"HTTP/1.1 408")
     finally:
-        front.shutdown()
         client.close()
 
 
 def test_a_robot_over_its_quota_gets_a_429_with_retry_after(http):
-    with serve_http(http[1], robot_requests_per_s=0.01, robot_burst=1) as url:
+    with serve_http(http[1], robot_requests_per_s=0.01, robot_burst=1) as served:
+        url = served.url
         body = {"messages": MESSAGES, "max_tokens": 2, "robot_id": "amr-5", "temperature": 0}
         request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
@@ -318,18 +265,9 @@ def test_with_api_keys_only_key_holders_get_in_and_are_served_as_their_key(http,
     keys = tmp_path / "api-keys"
     token = make_key(keys, "dock-station")
     assert token not in keys.read_text() and stat.S_IMODE(keys.stat().st_mode) == 0o600  # hashed at rest
-    tokenizer = http[1]
-    model = tiny_model(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
-    server = CloudServer(Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=256)),
-                         ServeConfig(zmq_port=0, http_port=0), "tiny")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    client = FleetClient(server.inproc_endpoint, context=server.context)
-    front = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, server.metrics, "tiny", ApiKeys(keys)))
-    threading.Thread(target=front.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{front.server_address[1]}"
     body = json.dumps({"messages": MESSAGES, "max_tokens": 2, "robot_id": "someone-else", "request_id": "k-1"})
-    try:
+    with serve_http(http[1], api_keys=ApiKeys(keys)) as served:
+        url = served.url
         for headers in ({}, {"Authorization": "Bearer not-a-key"}, {"Authorization": f"Basic {token}"}):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body.encode(),
@@ -338,15 +276,10 @@ def test_with_api_keys_only_key_holders_get_in_and_are_served_as_their_key(http,
         authorized = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
         with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body.encode(), authorized)):
             pass
-        (row,) = [r for r in server.snapshot()["recent"] if r["request_id"] == "k-1"]
+        (row,) = [r for r in served.server.snapshot()["recent"] if r["request_id"] == "/http/dock-station/k-1"]
         assert row["robot_id"] == "dock-station"
         with urllib.request.urlopen(url + "/health") as resp:  # probes stay open on loopback
             assert resp.status == 200
-    finally:
-        front.shutdown()
-        client.close()
-        server.stop()
-        thread.join(timeout=10)
 
 
 def test_an_api_key_file_with_a_bad_line_is_refused_naming_it(tmp_path):

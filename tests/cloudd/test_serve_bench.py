@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cloudd.__main__ import main
-from cloudd.http_api import ApiContext, make_http_server
+from cloudd.http_api import ApiContext, HttpServer
 from cloudd.serve_bench import ServeBenchOptions, run_names, run_serve_bench
 from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
@@ -63,10 +63,9 @@ def servers(default_model_path):
     fleet, fleet_thread = _serve(model, tokenizer, FleetPolicy())
     fcfs, fcfs_thread = _serve(model, tokenizer, FCFS())
     client = FleetClient(fleet.inproc_endpoint, context=fleet.context)
-    http = make_http_server("127.0.0.1", 0, ApiContext(client, tokenizer, fleet.metrics, "tiny"))
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    yield {"fleet": (fleet, f"http://127.0.0.1:{http.server_address[1]}"), "fcfs": (fcfs, None)}
-    http.shutdown()
+    http = HttpServer.for_api("127.0.0.1", 0, ApiContext(client, tokenizer, fleet.metrics, "tiny"))
+    yield {"fleet": (fleet, http.url), "fcfs": (fcfs, None)}
+    http.close()
     client.close()
     for server, thread in ((fleet, fleet_thread), (fcfs, fcfs_thread)):
         server.stop()
