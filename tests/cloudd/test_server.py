@@ -334,7 +334,8 @@ def test_a_hopeless_deadline_is_rejected_at_once_with_a_deadline_error():
 
 
 def test_overload_is_rejected_with_a_reason():
-    with running_server(max_waiting=1) as srv:
+    # one robot fills the whole queue here: its share in flight (robot_max_in_flight) is off
+    with running_server(max_waiting=1, robot_max_in_flight=0) as srv:
         p = Peer(srv.endpoint)
         for i in range(6):
             p.send(gen(f"load-{i}", max_tokens=200))
