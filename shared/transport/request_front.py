@@ -163,6 +163,12 @@ class Lane(ABC, Generic[P]):
     def on_reject(self, msg: Generate, error: Error) -> None:
         """A request refused before it ran (for the daemon's metrics)."""
 
+    def degraded(self) -> str | None:
+        """Why the lane serves everyone slower now, naming the request at fault (one whose own
+        work held a step past ``stall_after_s``), for ``health``; None when nothing is. Called
+        on the socket's thread: it reads only what the loop replaces whole."""
+        return None
+
     def close(self) -> None:
         """The loop has ended: release what the lane holds."""
 
@@ -250,12 +256,17 @@ class RequestFront(Generic[P]):
     def health(self) -> str:
         """``draining`` once stopping; ``stalled`` while one turn of the loop (reading requests,
         an engine step) has run past ``stall_after_s``, as a grammar, a validation or a bug can
-        make it; else ``ok``. Answered by the socket's thread, so it answers during a stall."""
+        make it; ``degraded: <why>`` while the lane says one request made a step that slow
+        (``Lane.degraded``: cloudd names it for a minute after); else ``ok``. Every answer but
+        ``ok`` is unhealthy; readers that compare with "ok" need no change. Answered by the
+        socket's thread, so it answers during a stall."""
         began = self._turn_began
         if self.draining:
             return "draining"
         if began is not None and time.monotonic() - began > self.config.stall_after_s:
             return "stalled"
+        if (why := self.lane.degraded()) is not None:
+            return f"degraded: {why}"
         return "ok"
 
     def _restore_results(self, journal: str) -> None:
