@@ -28,6 +28,8 @@ num_blocks = 1024
 max_num_seqs = 4
 [serve]
 precompile = []
+[serve.priority_grants]
+s = ["safety", "interactive", "plan", "background"]  # the robot of the safety case
 """
 SYSTEM = ChatMessage("system", "You plan tasks for a warehouse robot. Answer with short numbered steps. " * 3)
 
