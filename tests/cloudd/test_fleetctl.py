@@ -25,10 +25,10 @@ from shared.engine.policy import FleetPolicy
 from shared.protocol.messages import Generate, Priority, Sampling
 from shared.transport.client import ClientConfig, FleetClient
 from tests.engine.tiny import tiny_model
+from tests.robot_grants import ROBOT_GRANTS
 
 ROBOTS = ("amr-1", "forklift-north-warehouse-0042")  # the second is longer than any robot column
 # its robots send safety, which [serve] grants only where named (issue 48: priority is a permission)
-ROBOT_GRANTS = {"*": ("safety", "interactive", "plan", "background")}
 LIVE_ID = "long-running-safety-check"  # still streaming when the busy snapshot is taken
 CLASSES = [p.value for p in Priority]
 SNAPSHOT_KEYS = {"model", "model_arch", "model_params", "uptime_s", "state", "throughput", "engine", "queue", "latency", "by_priority",

@@ -21,6 +21,7 @@ from shared.engine.policy import FCFS, FleetPolicy
 from shared.model.gguf_loader import build_tokenizer, read_gguf
 from shared.transport.client import FleetClient
 from tests.engine.tiny import tiny_model
+from tests.robot_grants import ROBOT_GRANTS
 
 SYSTEM = "You are a warehouse robot. Answer with a numbered plan of at most five short steps. " * 3
 TRACE = [  # (robot, priority, arrival_s, max_tokens)
@@ -49,7 +50,7 @@ def trace_file(tmp_path_factory):
 def _serve(model, tokenizer, policy):
     """A CloudServer on loopback and the thread running it."""
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=1024), policy=policy)
-    server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0), "tiny")
+    server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0, priority_grants=ROBOT_GRANTS), "tiny")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     return server, thread

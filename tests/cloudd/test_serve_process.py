@@ -17,6 +17,7 @@ from shared.daemon_process import DaemonProcess
 from shared.protocol.codec import decode, encode
 from shared.protocol.messages import ChatMessage, Chunk, ErrorCode, Generate, Priority, Result, Sampling
 from shared.transport.client import FleetClient, RequestFailed
+from tests.robot_grants import ROBOT_GRANTS_TOML as ROBOT_GRANTS
 
 TASK = (ChatMessage("system", "You plan tasks for a warehouse robot."),
         ChatMessage("user", "Bring crate 17 from aisle 4 to the packing station."))
@@ -32,7 +33,6 @@ def serve(tmp_path, *extra: str, config: str = "") -> DaemonProcess:
 
 
 # its robots send safety, which [serve] grants only where named (issue 48: priority is a permission)
-ROBOT_GRANTS = '[serve.priority_grants]\n"a*" = ["safety", "interactive", "plan", "background"]\n'
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from shared.plan.budget import max_plan_tokens
 from shared.plan.schema import plan_schema
 from shared.protocol.messages import ErrorCode
 from shared.transport.client import FleetClient
+from tests.robot_grants import ROBOT_GRANTS_TOML as ROBOT_GRANTS
 
 
 @skill
@@ -46,7 +47,6 @@ LONG = {"skills": SKILLS, "max_tokens": max_plan_tokens(as_skills(SKILLS), 8)}  
 
 
 # its robots send safety, which [serve] grants only where named (issue 48: priority is a permission)
-ROBOT_GRANTS = '[serve.priority_grants]\n"a*" = ["safety", "interactive", "plan", "background"]\n'
 
 
 @pytest.fixture(scope="module")
