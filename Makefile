@@ -86,7 +86,8 @@ bench-cluster: model kernels
 
 # Reliability: real cloudd and edged (CURVE on, loopback only) fuzzed with a million frames each
 # and cloudd's HTTP API with malformed, half-sent and idle requests, then eight faults with plans
-# in flight; every plan accounted for (at most 15 min). The report: soak-report.json.
+# in flight, then thirteen hostile tenants each beside a victim robot streaming plans; every plan
+# accounted for (about 22 min). The report: soak-report.json.
 soak: model kernels
 	$(PY) -m soak --json soak-report.json
 

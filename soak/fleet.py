@@ -103,6 +103,8 @@ stall_after_s = 5.0
 shutdown_grace_s = 5.0
 execution_log = "{self.cloudd_journal}"
 precompile = ["fleet-plan"]
+[serve.priority_grants]
+"amr-*" = ["safety", "interactive", "plan", "background"]  # the robots, as shipped; fuzzbot gets the default
 """)
         return path
 
