@@ -29,6 +29,7 @@ from cloudd.monitor import FleetMonitor, RequestRecord, robot_view
 from shared.engine.engine import DeadlineUnmeetable, Engine, PreparedPrompt, TokenDelta
 from shared.engine.grammar.response_format import GrammarSpec
 from shared.engine.request import FinishReason, Request
+from shared.engine.request_budget import HeavyWork
 from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary
 from shared.plan.answer import StructuredAnswer
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 # of tokenizing (0.27 ms a KB here) and a few of a new grammar's check; larger ones on the
 # preparing thread, so that they neither hold the steps nor queue the small ones behind them.
 PREPARE_HERE_BYTES = 4096
+# After a step that one request's own work held past stall_after_s, health says "degraded",
+# naming it, for this long: an operator polling every few seconds sees it.
+DEGRADED_FOR_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,8 @@ class CloudServer(Lane[CloudPrepared]):
         self.metrics = ServerMetrics(config.max_robot_labels)
         self._requests: dict[str, Request] = {}  # live engine requests by id (for results)
         self._specs: dict[str, GrammarSpec] = {}  # the grammar of each live constrained request (its plan)
+        # the request whose own work made a step slow, and until when (the engine's clock) health says so
+        self._slow_step: tuple[HeavyWork, float] | None = None
         self.inproc_endpoint = f"inproc://cloudd-{id(self):x}"  # for clients in this process (HTTP)
         front = config.front(self.inproc_endpoint, max_prompt_ids=engine.scheduler.config.max_model_len)
         self.front: RequestFront[CloudPrepared] = RequestFront(
@@ -239,9 +245,20 @@ class CloudServer(Lane[CloudPrepared]):
             log.exception("engine step failed: failing every live request")
             self._fail_all("internal error in the engine")
             return
+        heaviest = self.engine.budget.heaviest
+        if heaviest is not None and heaviest.seconds > self.config.stall_after_s:
+            self._slow_step = (heaviest, self.engine.clock() + DEGRADED_FOR_S)
         for delta in deltas:
             self._publish(delta)
         self.metrics.on_engine(self.engine.stats())
+
+    def degraded(self) -> str | None:
+        """The request whose own grammar and detokenizer work held a step past
+        ``stall_after_s``, for ``DEGRADED_FOR_S`` after that step."""
+        slow = self._slow_step
+        if slow is None or self.engine.clock() > slow[1]:
+            return None
+        return slow[0].describe()
 
     def on_reject(self, msg: Generate, error: Error) -> None:
         self.monitor.on_reject()
@@ -255,17 +272,22 @@ class CloudServer(Lane[CloudPrepared]):
         self.front.emit(delta.request_id, delta.token_ids, delta.text)
         self.monitor.on_tokens(len(delta.token_ids))
         if delta.finished:
-            self._finish(self._requests.pop(delta.request_id))
+            self._finish(self._requests.pop(delta.request_id), delta.detail)
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, detail: str | None = None) -> None:
         """Send ``req``'s result, with its ``plan`` when its grammar is JSON and its text decodes to
         an object (the one parse of a cloud answer: edged and the SDK read it); one that failed in
         the engine (finish reason ``error``) is answered ``internal`` instead, and forgotten, so
-        that a retry runs it again."""
+        that a retry runs it again, or ``invalid_request`` with the engine's ``detail`` when its
+        own cost ended it (its work budget). A result's detail is the engine's when it gave one
+        (a grammar that failed to compile or ran past its time limit)."""
         spec = self._specs.pop(req.request_id, None)
         record = RequestRecord.of(req, self.monitor.clock())
         self.monitor.on_finish(record)
         self.metrics.on_finish(record)
+        if req.finish_reason is FinishReason.ERROR and detail is not None:
+            self.front.finish(req.request_id, Error(ErrorCode.INVALID_REQUEST, detail, req.request_id))
+            return
         if req.finish_reason is FinishReason.ERROR:
             self.front.finish(req.request_id, Error(ErrorCode.INTERNAL, "internal error serving this request "
                                                     "(cloudd's log has the trace); the fleet's other requests go on",
@@ -282,7 +304,7 @@ class CloudServer(Lane[CloudPrepared]):
             source=Source.CLOUD,
             plan=None if spec is None else StructuredAnswer.parse(text, spec).plan,
             timings=record.timings(),
-            detail=_detail(req),
+            detail=detail or _detail(req),
         ))
 
     def _fail_all(self, why: str) -> None:

@@ -7,15 +7,19 @@ A request is *live* from ``open`` until it is fully delivered: its finishing del
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.request import FinishReason, Request
+from shared.engine.request_budget import RequestBudget, WorkMeter
 from shared.engine.scheduler import Scheduler
 from shared.engine.sampled_rows import SampledRows
 from shared.engine.step_profile import StepProfile, timed_phase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,7 @@ class TokenDelta:
     text: str
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    detail: str | None = None  # why it ended, where the reason alone does not say (its budget)
 
     @property
     def finished(self) -> bool:
@@ -57,7 +62,7 @@ class Delivery:
             self.buffered.add(request_id)
 
     def deliver(self, req: Request, tokens: list[int], reason: FinishReason | None,
-                logprobs: Sequence[float] = ()) -> TokenDelta:
+                logprobs: Sequence[float] = (), detail: str | None = None) -> TokenDelta:
         """Turn new tokens into a delta; a stop string found here finishes the request.
         A stop token (reason STOP from the scheduler) is delivered as a token, not as text."""
         detok = self.detokenizers.get(req.request_id)
@@ -74,7 +79,7 @@ class Delivery:
                 text, reason = "", self.scheduler.fail(req)
         if reason is not None:
             req.finish_time = self.clock()
-        delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason)
+        delta = TokenDelta(req.request_id, tokens, text, list(logprobs), reason, detail)
         if req.request_id in self.buffered:
             self.pending[req.request_id].append(delta)
         elif reason is not None:
@@ -90,6 +95,24 @@ class Delivery:
                          req.output_logprobs[n:] if req.sampling.logprobs else [])
             for req, n in zip(batch.requests, batch.num_outputs_before, strict=True)
         ]
+
+    def end_overruns(self, batch: SampledRows, budget: RequestBudget) -> list[TokenDelta]:
+        """Charge each request of ``batch`` its grammar's and detokenizer's work of this step
+        (``RequestBudget.over``) and end each one over the budget alone: finish reason
+        ``error``, its delta's ``detail`` naming the budget. Returns those deltas."""
+        ended = []
+        for overrun in budget.over((r.request_id, self._meters(r)) for r in batch.requests):
+            req = self.scheduler.requests.get(overrun.work.request_id)
+            if req is None or req.is_finished:
+                continue
+            log.warning("%s: it ends, the others go on", overrun.detail)
+            self.scheduler.finish(req, FinishReason.ERROR)
+            ended.append(self.deliver(req, [], FinishReason.ERROR, detail=overrun.detail))
+        return ended
+
+    def _meters(self, req: Request) -> list[WorkMeter]:
+        detok = self.detokenizers.get(req.request_id)
+        return [m.work for m in (req.grammar, detok) if m is not None]
 
     def take(self, request_id: str) -> list[TokenDelta]:
         """The deltas buffered for ``request_id`` since the last call (none for an unknown id)."""

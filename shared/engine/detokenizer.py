@@ -19,6 +19,8 @@ import codecs
 from collections.abc import Sequence
 from typing import Protocol
 
+from shared.engine.request_budget import WorkMeter
+
 
 class Decoder(Protocol):
     """``decode`` is the text of ids; an optional ``token_bytes`` attribute (a sequence of
@@ -29,9 +31,13 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_source", "_stop", "_emitted", "text", "stopped")
+    """One request's text; ``push`` and ``flush`` charge their time to ``work``, the request's
+    meter (``shared.engine.request_budget``)."""
+
+    __slots__ = ("_source", "_stop", "_emitted", "text", "stopped", "work")
 
     def __init__(self, decoder: Decoder, stop: Sequence[str] = ()):
+        self.work = WorkMeter()
         table = getattr(decoder, "token_bytes", None)
         self._source = _ByteStream(table) if table is not None else _DecodeWindow(decoder)
         self._stop = tuple(stop)
@@ -41,6 +47,10 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly final text."""
+        with self.work.timing():
+            return self._push(token_ids)
+
+    def _push(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
         self.text += self._source.decode_new(token_ids, final=False)
@@ -55,9 +65,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of the request: whatever was held back (an incomplete character too)."""
-        if not self.stopped:
-            self.text += self._source.decode_new((), final=True)
-        return self._release(len(self.text))
+        with self.work.timing():
+            if not self.stopped:
+                self.text += self._source.decode_new((), final=True)
+            return self._release(len(self.text))
 
     def _find_stop(self) -> int | None:
         window = max((len(s) for s in self._stop), default=0)

@@ -39,6 +39,7 @@ from shared.engine.kv.tier_stats import TierStats
 from shared.engine.jump_forward import forced_draft
 from shared.engine.policy import FCFS, SchedulingPolicy
 from shared.engine.request import FinishReason, Request
+from shared.engine.request_budget import RequestBudget
 from shared.engine.runner import ModelRunner
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
@@ -168,6 +169,7 @@ class Engine:
         self.sampler = Sampler()
         self.sampling = SamplingStep(self.sampler, MaskBatch(model.config.vocab_size), self.scheduler)
         self.delivery = Delivery(self.scheduler, clock, self.sampler.forget)
+        self.budget = RequestBudget(config.request_step_budget_s)  # each request's own work per step
         self._grammar: GrammarCompiler | None = None  # built on first use (0.2 s)
         self._grammar_lock = threading.Lock()  # prepare() may build it on a daemon's preparing thread
         self._seq = itertools.count()
@@ -292,8 +294,10 @@ class Engine:
 
         A failure serving one request (its grammar's mask or next state, its sampling, its
         drafts, its detokenizing) ends that request alone with finish reason ``error``, the
-        exception logged; a forward pass that raises ends the requests of its step the same way
-        and leaves the queue to the next step. Only a failure in the scheduler itself raises."""
+        exception logged, and so does its grammar's and detokenizer's work in this step past
+        ``config.request_step_budget_s`` (its delta's ``detail`` names the budget); a forward
+        pass that raises ends the requests of its step the same way and leaves the queue to the
+        next step. Only a failure in the scheduler itself raises."""
         deltas, out = self._schedule()
         if out.is_empty:
             return deltas + self._idle(out)
@@ -307,6 +311,7 @@ class Engine:
         picks = self.sampling.pick(result, batch)
         finished = self._update(batch, picks, started)
         deltas += self.delivery.deliver_step(batch, finished)
+        deltas += self.delivery.end_overruns(batch, self.budget)
         if self.profile is not None:
             self.profile.steps += 1
         return deltas
@@ -314,10 +319,15 @@ class Engine:
     @timed_phase("schedule")
     def _schedule(self) -> tuple[list[TokenDelta], SchedulerOutput]:
         """Collect finished tier loads, end the expired requests and admit the compiled ones,
-        then schedule the step: the deltas of the requests that ended, and the step's work."""
+        then schedule the step: the deltas of the requests that ended (one whose grammar failed
+        to compile, e.g. past its time limit, with the compiler's reason as ``detail``), and
+        the step's work."""
         self.scheduler.admit_loaded()
+        failed = {r.request_id: str(r.grammar_pending.exception()) for r in self.scheduler.awaiting_grammar
+                  if r.grammar_pending.done() and r.grammar_pending.exception() is not None}
         ended = self.scheduler.expire() + self.scheduler.admit_compiled()
-        deltas = [self.delivery.deliver(f.request, [], f.reason) for f in ended]
+        deltas = [self.delivery.deliver(f.request, [], f.reason, detail=failed.get(f.request.request_id))
+                  for f in ended]
         return deltas, self.scheduler.schedule()
 
     @timed_phase("update")
@@ -387,7 +397,9 @@ class Engine:
             if self._grammar is None:
                 if self.tokenizer is None:
                     raise ValueError("response_format needs a tokenizer: this engine has none")
-                self._grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size)
+                self._grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size,
+                                                workers=self.config.grammar_compile_workers,
+                                                timeout_s=self.config.grammar_compile_timeout_s)
             return self._grammar
 
     def precompile(self, response_formats: Iterable[Mapping]) -> list[concurrent.futures.Future]:
@@ -458,8 +470,10 @@ class Engine:
         return finished
 
     def close(self) -> None:
-        """Stop the tier copier (after its queued copies, the finished loads released) and free
-        the host tier."""
+        """Stop the grammar compile workers and the tier copier (after its queued copies, the
+        finished loads released) and free the host tier."""
+        if self._grammar is not None:
+            self._grammar.close()
         if self.tiers is not None:
             try:
                 self.settle_tiers()

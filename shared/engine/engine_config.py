@@ -45,6 +45,13 @@ class EngineConfig:
     # KV pool layout (kernels.kv_layout): "auto" (paired where the CPU decode kernel reads it in
     # bf16: no transposes on its reads) | "tokens" | "paired"
     kv_layout: str = "auto"
+    # Grammar compiles run in this many worker processes (shared.engine.grammar.compile_pool);
+    # one past grammar_compile_timeout_s is killed and its request ends with an error naming it
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 60.0
+    # A request whose own grammar and detokenizer work in one step passes this ends alone with
+    # an error naming the budget (shared.engine.request_budget)
+    request_step_budget_s: float = 0.25
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # host/disk KV tiers
 
@@ -61,6 +68,11 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be one of {list(LAYOUTS)}, got {self.kv_layout!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.grammar_compile_workers < 1:
+            raise ValueError(f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}")
+        for name in ("grammar_compile_timeout_s", "request_step_budget_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.hicache.enabled and self.prefix_index != "radix":
             raise ValueError(f"hicache needs prefix_index 'radix', got {self.prefix_index!r}")
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from shared.engine.grammar import compiler as compiler_module
 from shared.engine.grammar.compiler import GrammarCompiler
 from shared.engine.grammar.response_format import GrammarSpec, grammar_spec
 from tests.grammar.conftest import MODEL_VOCAB
@@ -65,13 +64,13 @@ def test_lru_evicts_the_least_recently_used(tokenizer):
 
 def test_concurrent_requests_for_one_spec_share_a_future(compiler, monkeypatch):
     gate = threading.Event()
-    parse = compiler_module.parse_grammar
+    compile_in_worker = compiler._pool.compile
 
-    def gated_parse(spec):
+    def gated_compile(spec):
         gate.wait(10)
-        return parse(spec)
+        return compile_in_worker(spec)
 
-    monkeypatch.setattr(compiler_module, "parse_grammar", gated_parse)
+    monkeypatch.setattr(compiler._pool, "compile", gated_compile)
     spec = GrammarSpec("regex", "(left|right) [0-9]")
     joins, compiles = compiler.stats.joins, compiler.stats.compiles
     first, second = compiler.compile_async(spec), compiler.compile_async(spec)

@@ -103,9 +103,11 @@ AMBIGUOUS_EBNF = 'root ::= s\ns ::= s s | s s s | "a" | ""'  # the issue's 361-b
 @pytest.mark.parametrize(("response_format", "words"), [
     ({"type": "ebnf", "ebnf": AMBIGUOUS_EBNF}, "recursive rules 's' and 's' side by side"),
     ({"type": "ebnf", "ebnf": 'root ::= s\ns ::= "a" s s | ""'}, "side by side"),
-    ({"type": "ebnf", "ebnf": 'root ::= ((("a"){0,30}){0,30}){0,30}'}, f"27000 copies in rule 'root', more than {MAX_REPETITION}"),
+    ({"type": "ebnf", "ebnf": 'root ::= ((("a"){0,30}){0,30}){0,30}'},
+     f"27000 copies in rule 'root', more than {MAX_REPETITION}"),
     ({"type": "ebnf", "ebnf": 'root ::= q{0,30}\nq ::= ("a"){0,40}'}, "1200 copies"),  # through a reference
-    ({"type": "ebnf", "ebnf": "\n".join(f"r{i} ::= \"a\"" for i in range(1100)) + "\nroot ::= r0"}, "more than 1024 rules"),
+    ({"type": "ebnf", "ebnf": "\n".join(f"r{i} ::= \"a\"" for i in range(1100)) + "\nroot ::= r0"},
+     "more than 1024 rules"),
     ({"type": "json_schema", "schema": {"type": "string", "pattern": nested_repeat()}},
      f"schema pattern: nested counted repetitions make 27000 copies, more than {MAX_REPETITION}"),
     ({"type": "json_schema", "schema": {"type": "object", "properties": {

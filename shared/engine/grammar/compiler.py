@@ -1,16 +1,17 @@
-"""GrammarSpec -> xgrammar CompiledGrammar for one model: cached, and compiled off the caller's thread.
+"""GrammarSpec -> xgrammar CompiledGrammar for one model: cached, and compiled in worker processes.
 
 Compilation precomputes token masks over the whole vocabulary (tens of ms for a skill plan,
-seconds for a large schema), so the engine asks with `compile_async` and keeps stepping other
-requests until the future is done. `validate` is the cheap synchronous check (it only converts
-the spec to a grammar, no token masks), for rejecting a bad request at admission.
+seconds for a large schema, minutes for a pathological one), so the engine asks with
+`compile_async` and keeps stepping other requests until the future is done; the compile runs
+in a `CompilePool` process with a time limit, so no compile waits behind a runaway one.
+`validate` is the cheap synchronous check (it only converts the spec to a grammar, no token
+masks), for rejecting a bad request at admission.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -21,12 +22,11 @@ from dataclasses import dataclass
 import tokenizers
 import xgrammar as xgr
 
+from shared.engine.grammar.build import parse_grammar
+from shared.engine.grammar.compile_pool import CompilePool
 from shared.engine.grammar.repeat_guard import StepRepeatGuard, TokenBytes
 from shared.engine.grammar.response_format import GrammarSpec
 from shared.model.tokenizer import Tokenizer
-
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a check text.
-_XGR_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 @dataclass
@@ -48,12 +48,13 @@ class GrammarCompiler:
     strict mode: no properties or items beyond those the schema lists.
 
     Compiled grammars are kept in an LRU of `max_cached` entries keyed by (tokenizer
-    fingerprint, spec). One worker thread compiles (xgrammar releases the GIL while it does);
-    its `compile_threads` are xgrammar's own threads for building one grammar's masks.
+    fingerprint, spec). `workers` processes compile (``compile_pool``), one grammar each at a
+    time, each compile killed past `timeout_s` (its future raises ``CompileTimeout``, a
+    ValueError); `compile_threads` are xgrammar's own threads for building one grammar's masks.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, *, max_cached: int = 128,
-                 compile_threads: int = 8) -> None:
+                 compile_threads: int = 8, workers: int = 2, timeout_s: float = 60.0) -> None:
         if max_cached < 1:
             raise ValueError(f"max_cached must be >= 1, got {max_cached}")
         self.tokenizer_info = tokenizer_info(tokenizer, vocab_size)
@@ -61,13 +62,13 @@ class GrammarCompiler:
         self.fingerprint = hashlib.sha256(self.tokenizer_info.serialize_json().encode()).hexdigest()[:16]
         self.stats = CompileStats()
         self._max_cached = max_cached
-        # NOTE: xgrammar's own cache is unbounded by count; ours is the one bound.
-        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
+        self._pool = CompilePool(self.tokenizer_info, workers, timeout_s, compile_threads)
         self._cache: OrderedDict[tuple[str, GrammarSpec], xgr.CompiledGrammar] = OrderedDict()
         self._inflight: dict[tuple[str, GrammarSpec], Future[xgr.CompiledGrammar]] = {}
         self._lock = threading.Lock()
         self._token_bytes: Future[TokenBytes] | None = None  # the vocabulary as bytes, for repeat guards
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        # one waiting thread per compile process, and one more for the vocabulary's bytes
+        self._worker = ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="grammar-compile")
 
     def validate(self, spec: GrammarSpec) -> None:
         """Raise ValueError naming the problem if xgrammar rejects `spec`; cheap (no token masks:
@@ -119,8 +120,8 @@ class GrammarCompiler:
         return None if spec.repeatable is None else StepRepeatGuard(self._vocabulary_bytes(), spec.repeatable)
 
     def _vocabulary_bytes(self) -> Future[TokenBytes]:
-        """The vocabulary indexed as bytes (0.6 s), queued once on the compile thread: ahead of
-        the first plan grammar, which therefore never compiles before it."""
+        """The vocabulary indexed as bytes (0.6 s), built once on a compile thread (queued ahead
+        of the first plan grammar)."""
         with self._lock:
             if self._token_bytes is None:
                 self._token_bytes = self._worker.submit(
@@ -133,14 +134,15 @@ class GrammarCompiler:
             return len(self._cache)
 
     def close(self) -> None:
-        """Stop the worker; queued compilations are cancelled."""
+        """Stop the workers; queued compilations are cancelled, running ones fail (ValueError)."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
     def _compile_now(self, key: tuple[str, GrammarSpec]) -> xgr.CompiledGrammar:
         _, spec = key
         start = time.perf_counter()
         try:
-            compiled = _compile_grammar(self._xgr, spec)
+            compiled = self._pool.compile(spec)
         except BaseException:
             with self._lock:
                 self.stats.failures += 1
@@ -154,33 +156,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             del self._inflight[key]
         return compiled
-
-
-def _compile_grammar(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
-    grammar = parse_grammar(spec)
-    try:
-        return compiler.compile_grammar(grammar)
-    except RuntimeError as exc:
-        raise ValueError(f"cannot compile {spec.kind.replace('_', ' ')}: {_xgr_reason(exc)}") from exc
-
-
-def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
-    """The xgrammar Grammar of `spec` (no token masks yet); ValueError naming the problem."""
-    try:
-        if spec.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
-        if spec.kind == "json_object":
-            # NOTE: not builtin_json_grammar(), whose root also allows a top-level array.
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.source)
-        return xgr.Grammar.from_ebnf(spec.source, root_rule_name="root")
-    except RuntimeError as exc:
-        raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {_xgr_reason(exc)}") from exc
-
-
-def _xgr_reason(exc: RuntimeError) -> str:
-    return _XGR_ERROR_PREFIX.sub("", str(exc).strip())
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int | None = None) -> xgr.TokenizerInfo:

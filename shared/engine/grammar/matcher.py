@@ -11,18 +11,22 @@ import xgrammar as xgr
 
 from kernels.token_bitmask_cpu import apply_token_bitmask_cpu
 from shared.engine.grammar.repeat_guard import StepRepeatGuard
+from shared.engine.request_budget import WorkMeter
 
 
 class GrammarState:
     """A request's grammar matcher; used by the engine thread only (not thread-safe).
 
     The matcher ends (`finished`) after accepting one of the tokenizer's stop tokens, which the
-    mask allows exactly when the text so far is complete.
+    mask allows exactly when the text so far is complete. Every call that does the grammar's
+    work (fill, restrict, accept, rollback, forced_text) charges its time to `work`, the
+    request's meter (``shared.engine.request_budget``).
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, guard: StepRepeatGuard | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.guard = guard
+        self.work = WorkMeter()
         self._text = bytearray()  # what was accepted, kept for the guard only
         self._lengths: list[int] = []  # bytes per accepted token, for rollback
 
@@ -30,7 +34,8 @@ class GrammarState:
         """Tighten the filled mask of ``bitmask[row]`` by the guard (no step repeated); a no-op
         without one."""
         if self.guard is not None and not self.finished:
-            self.guard.restrict(self.matcher, bytes(self._text), bitmask[row])
+            with self.work.timing():
+                self.guard.restrict(self.matcher, bytes(self._text), bitmask[row])
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the next-token mask into `bitmask[row]`; False when it allows every token.
@@ -38,11 +43,13 @@ class GrammarState:
         `bitmask`: [rows, ceil(vocab/32)] int32 on CPU; bit j of the row set = token j allowed.
         Does not change the state.
         """
-        return self.matcher.fill_next_token_bitmask(bitmask, row)
+        with self.work.timing():
+            return self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (state unchanged) if the grammar forbids it or it has finished."""
-        accepted = self.matcher.accept_token(token)
+        with self.work.timing():
+            accepted = self.matcher.accept_token(token)
         if accepted and self.guard is not None:
             text = self.guard.tokens.vocab[token]
             self._text += text
@@ -56,7 +63,8 @@ class GrammarState:
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative tokens)."""
-        self.matcher.rollback(num_tokens)
+        with self.work.timing():
+            self.matcher.rollback(num_tokens)
         if self.guard is not None and num_tokens:
             cut = sum(self._lengths[-num_tokens:])
             del self._lengths[-num_tokens:]
@@ -67,7 +75,8 @@ class GrammarState:
 
         Whole UTF-8 characters only. Does not change the state: accept the tokens of the text.
         """
-        return self.matcher.find_jump_forward_string()
+        with self.work.timing():
+            return self.matcher.find_jump_forward_string()
 
 
 @dataclass
@@ -83,8 +92,9 @@ class MaskStats:
 class MaskBatch:
     """Masks the constrained rows of a logits batch in one `apply_token_bitmask_inplace` call.
 
-    Rows not listed are not touched and cost nothing. xgrammar's `indices` picks the same row of
-    logits and bitmask, so the bitmask is row-aligned with the logits: a reused CPU buffer
+    Each row's mask is filled by its own state (`GrammarState.fill`), so that its time is
+    charged to its request's work meter. Rows not listed are not touched and cost nothing.
+    xgrammar's `indices` picks the same row of logits and bitmask, so the bitmask is row-aligned with the logits: a reused CPU buffer
     [capacity, ceil(vocab_size/32)] int32 (pinned when the logits are on CUDA, with a device
     twin), grown by doubling to cover the largest row; only listed rows are written.
 
@@ -92,10 +102,9 @@ class MaskBatch:
     the stream (e.g. by reading the sampled tokens) before the next `apply` rewrites the buffer.
     """
 
-    def __init__(self, vocab_size: int, fill_threads: int = 1) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.stats = MaskStats()
-        self._filler = xgr.BatchGrammarMatcher(fill_threads)
         self._host = xgr.allocate_token_bitmask(0, vocab_size)  # [capacity, words] int32, CPU
         self._device: torch.Tensor | None = None  # [capacity, words] int32 on the logits' device
 
@@ -115,8 +124,8 @@ class MaskBatch:
         assert 0 <= min(indices) and max(indices) < logits.shape[0], f"rows {indices} outside the batch"
         start = time.perf_counter()
         host = self._host_rows(logits.shape[0], pin=logits.is_cuda)
-        self._filler.batch_fill_next_token_bitmask([state.matcher for state in states], host, indices)
         for state, row in zip(states, indices, strict=True):
+            state.fill(host, row)
             state.restrict(host, row)
         filled = time.perf_counter()
         if logits.is_cuda:  # xgrammar's Triton kernel

@@ -1,0 +1,72 @@
+"""The per-request work budget (``shared.engine.request_budget``): a request whose own grammar
+and detokenizer work in one step passes ``request_step_budget_s`` ends alone, with an error
+naming the budget, and the others of its batch go on (issue 48: one request's mask fill and
+accept took 2-3 s per step, every robot waiting). Timed by fake timers: nothing here depends on
+how fast the machine is."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from shared.engine.engine import Engine
+from shared.engine.engine_config import EngineConfig
+from shared.engine.request import FinishReason
+from shared.engine.request_budget import RequestBudget, WorkMeter
+from shared.engine.sampling_params import SamplingParams
+from shared.model.gguf_loader import build_tokenizer, read_gguf
+from tests.engine.tiny import tiny_model
+
+THIRTY_LETTERS = {"type": "regex", "regex": "[a-z]{30}"}  # cannot end before max_tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return build_tokenizer(read_gguf(default_model_path)[0])
+
+
+def still(*_: object) -> float:
+    """A timer that never moves: work charged by it costs nothing."""
+    return 0.0
+
+
+def test_meters_charge_the_time_of_their_work_and_the_budget_names_who_passed_it(monkeypatch):
+    monkeypatch.setattr(WorkMeter, "timer", staticmethod(itertools.count(0.0, 0.2).__next__))
+    light, heavy = WorkMeter(), WorkMeter()
+    with light.timing():  # 0.2 s
+        pass
+    for _ in range(3):  # 0.6 s
+        with heavy.timing():
+            pass
+    budget = RequestBudget(0.5)
+    (overrun,) = budget.over([("amr-001/light", [light]), ("amr-002/heavy", [heavy])])
+    assert overrun.work.request_id == "amr-002/heavy" and overrun.work.seconds == pytest.approx(0.6)
+    assert "over its budget of 500 ms (request_step_budget_s)" in overrun.detail
+    assert budget.heaviest == overrun.work
+    assert budget.over([("amr-002/heavy", [heavy])]) == []  # taken: each step starts from 0
+
+
+def test_a_request_over_its_step_budget_ends_alone_and_the_others_go_on(tokenizer, monkeypatch):
+    monkeypatch.setattr(WorkMeter, "timer", staticmethod(still))
+    engine = Engine(tiny_model(vocab_size=tokenizer.vocab_size), tokenizer,
+                    EngineConfig(block_size=4, num_blocks=64, request_step_budget_s=0.5))
+    params = SamplingParams(max_tokens=8)
+    heavy = engine.submit("plan a route", params, "amr-001/heavy", response_format=THIRTY_LETTERS)
+    light = engine.submit("plan a route", params, "amr-002/light", response_format=THIRTY_LETTERS)
+    while engine.get_request(heavy).num_output_tokens == 0:
+        engine.step()
+    engine.get_request(heavy).grammar.work.timer = itertools.count(0.0, 10.0).__next__  # 10 s a call
+
+    deltas = {d.request_id: d for d in engine.step()}
+
+    ended = deltas[heavy]
+    assert ended.finish_reason is FinishReason.ERROR
+    assert ended.detail.startswith("request amr-001/heavy used ")
+    assert "of grammar and detokenizer work in one step, over its budget of 500 ms" in ended.detail
+    assert engine.budget.heaviest.request_id == heavy
+    assert not deltas[light].finished
+    while engine.has_unfinished:
+        engine.step()
+    assert [d.finish_reason for d in engine.drain(light)][-1] is FinishReason.LENGTH
+    engine.close()

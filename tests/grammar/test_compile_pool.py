@@ -1,0 +1,52 @@
+"""Grammar compiles in worker processes with a time limit (issue 48 finding 2: a schema
+``pattern`` that took 89 s to compile held every other new grammar behind it on one thread)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from shared.engine.grammar.compile_pool import CompileTimeout
+from shared.engine.grammar.compiler import GrammarCompiler
+from shared.engine.grammar.response_format import GrammarSpec, fleet_plan_format, grammar_spec
+from tests.grammar.conftest import MODEL_VOCAB
+
+# Past the static limits (grammar_spec refuses it), so built directly: about 89 s to compile.
+RUNAWAY = GrammarSpec("json_schema", json.dumps({"type": "string", "pattern": "((a{0,30}){0,30}){0,30}"}))
+DIGITS = GrammarSpec("regex", "[0-9]{1,3}")
+
+
+def test_a_runaway_compile_leaves_the_others_compiling_meanwhile(tokenizer):
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, compile_threads=1, workers=2, timeout_s=600)
+    try:
+        runaway = compiler.compile_async(RUNAWAY)
+        quick = compiler.compile_async(DIGITS)
+        assert isinstance(quick.result(timeout=300), xgr.CompiledGrammar)
+        assert not runaway.done()  # still compiling in its own worker
+    finally:
+        compiler.close()
+    with pytest.raises(ValueError, match="closed"):
+        runaway.result(timeout=60)
+
+
+def test_a_compile_past_its_time_limit_is_killed_and_answered_and_its_worker_replaced(tokenizer):
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, compile_threads=1, workers=1, timeout_s=1)
+    try:
+        with pytest.raises(CompileTimeout,
+                           match=r"json schema took longer than 1 s to compile \(grammar_compile_timeout_s\)"):
+            compiler.compile(RUNAWAY)
+        assert compiler.stats.failures == 1
+        assert isinstance(compiler.compile(DIGITS), xgr.CompiledGrammar)  # by the one new worker
+    finally:
+        compiler.close()
+
+
+def test_a_grammar_compiled_in_a_worker_matches_as_one_compiled_here(tokenizer, compiler):
+    plan = grammar_spec(fleet_plan_format())
+    compiled = compiler.compile(plan)
+    matcher = xgr.GrammarMatcher(compiled)
+    text = '{"steps": [{"skill": "undock", "args": {}}'  # a prefix of a plan
+    accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
+    assert accepted and compiled.tokenizer_info.vocab_size == MODEL_VOCAB
