@@ -122,9 +122,9 @@ def cloud_endpoint(options: TierOptions) -> Iterator[str]:
 
 @contextlib.contextmanager
 def edged_front(model: Path, options: TierOptions, cloud: str, threads: int) -> Iterator[str]:
-    """An edged server in this process (its own model copy, no pinned prompts) on a free
-    loopback port, escalating by ``options.escalation`` to ``cloud``; stopped when the block
-    ends. Yields its endpoint."""
+    """An edged server in this process (its own model copy, no pinned prompts) on an ipc
+    socket in a directory of its own, escalating by ``options.escalation`` to ``cloud``;
+    stopped when the block ends. Yields its endpoint."""
     from edged.config import BackendConfig, EdgeConfig
     from edged.daemon import build_server
     from edged.server import EdgeServeConfig
@@ -132,7 +132,8 @@ def edged_front(model: Path, options: TierOptions, cloud: str, threads: int) -> 
     with tempfile.TemporaryDirectory(prefix="plan-eval-edged-") as scratch:
         config = EdgeConfig(
             backend=BackendConfig(kind=options.backend, quant=options.quant, threads=threads, model=str(model)),
-            serve=EdgeServeConfig(robot_id="plan-eval", endpoints=("tcp://127.0.0.1:0",), pinned_dir=scratch),
+            serve=EdgeServeConfig(robot_id="plan-eval", endpoints=(f"ipc://{scratch}/edged.sock",),
+                                  pinned_dir=scratch),
             escalation=dataclasses.replace(options.escalation, cloud_endpoint=cloud, server_public_key="",
                                            robot_secret_key=""))
         server = build_server(config)

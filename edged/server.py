@@ -1,7 +1,9 @@
 """edged's daemon: the protocol on local endpoints, one local decode lane, escalation to cloudd.
 
-``EdgeServer`` is the lane of a request front (``shared.transport.request_front``), bound to an
-``ipc://`` path and a loopback ``tcp://`` port for the robot's processes. The front's socket
+``EdgeServer`` is the lane of a request front (``shared.transport.request_front``), bound for
+the robot's processes only: by default one ``ipc://`` socket (0600) in a directory only the
+robot's user may enter (0700, ``shared.transport.local_socket``); a loopback ``tcp://`` port only
+with CURVE keys, since any local user may connect to one (``EdgeServeConfig``). The front's socket
 thread answers health probes at once whatever the model is doing; its loop owns every request's
 state, and the local worker thread (``edged.local_worker``), the cloud link
 (``edged.cloud_link``) and the preparing thread (which tokenizes each new request and validates
@@ -48,6 +50,8 @@ from shared.model.summary import ModelSummary, model_stats
 from shared.plan.answer import StructuredAnswer
 from shared.protocol.messages import Error, ErrorCode, Generate, Result, Source, Usage
 from shared.transport.curve import Caller
+from shared.transport.local_socket import (EDGED_ENDPOINT, expand_endpoint, guarded_by_files, make_private_dir,
+                                           restrict_socket)
 from shared.transport.loopback import is_local_endpoint
 from shared.transport.preparing import Admitting
 from shared.transport.request_front import FrontConfig, Lane, Refused, RequestFront
@@ -57,11 +61,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EdgeServeConfig:
-    """The ``[serve]`` table of edged's config."""
+    """The ``[serve]`` table of edged's config.
+
+    Who reaches edged: an ``ipc://`` socket admits the robot's own user only (its directory is
+    made 0700, or refused if open to others; the socket 0600); ``~`` is that user's home. With
+    the ``curve_*`` keys, every endpoint takes only the admitted keys: a process whose key is in
+    ``curve_authorized_dir`` is a client named by its key file (its request ids start with that
+    name and "/", and it can cancel or rejoin only its own requests), one in ``curve_operator_dir``
+    may cancel any (fleetctl). A ``tcp://`` port (or an abstract ``ipc://@name``),
+    which any local user could connect to, is refused without them."""
 
     robot_id: str = "robot"  # this robot: escalations go to cloudd as it (with CURVE, its key's name)
-    # ipc:// for processes on the robot, tcp:// on loopback (port 0 picks a free one)
-    endpoints: tuple[str, ...] = ("ipc:///tmp/fleetserve-edged.sock", "tcp://127.0.0.1:5556")
+    # ipc:// for processes on the robot; tcp:// on loopback (port 0 picks a free one) with CURVE only
+    endpoints: tuple[str, ...] = (EDGED_ENDPOINT,)
     max_queue: int = 64  # local jobs waiting beyond this: new requests are rejected
     result_ttl_s: float = 300.0
     shutdown_grace_s: float = 10.0
@@ -70,6 +82,11 @@ class EdgeServeConfig:
     # 262,144 characters that cloudd's default 8,192-token context admits
     max_prompt_chars: int = 262_144
     execution_log: str = ""  # a journal of every execution (shared.transport.execution_log): "" = none
+    # CURVE on every endpoint (shared.transport.curve): edged's key pair (.key_secret) and the
+    # directories of the public keys it admits ("" = no CURVE: ipc:// endpoints only)
+    curve_secret_key: str = ""
+    curve_authorized_dir: str = ""  # the robot's processes, each a client named by its key
+    curve_operator_dir: str = ""  # operators: see and stop every request
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -77,13 +94,23 @@ class EdgeServeConfig:
         for ep in self.endpoints:
             if not is_local_endpoint(ep):
                 raise ValueError(f"endpoints: {ep!r} is not local (use ipc:// or tcp:// on loopback)")
+        if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
+            raise ValueError("curve_secret_key and curve_authorized_dir: give both (CURVE on) or neither")
+        if self.curve_operator_dir and not self.curve_secret_key:
+            raise ValueError("curve_operator_dir: needs curve_secret_key and curve_authorized_dir")
+        unguarded = [ep for ep in self.endpoints if not guarded_by_files(ep)]
+        if unguarded and not self.curve_secret_key:
+            raise ValueError(f"endpoints: {unguarded[0]!r} admits every local user: give curve_secret_key and "
+                             f"curve_authorized_dir (CURVE), or use an ipc:// socket file such as {EDGED_ENDPOINT}")
         if self.max_queue < 1 or self.result_ttl_s <= 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_queue >= 1, result_ttl_s > 0, shutdown_grace_s >= 0")
 
     def front(self) -> FrontConfig:
-        """The request front of these settings."""
-        return FrontConfig(daemon="edged", endpoints=self.endpoints, result_ttl_s=self.result_ttl_s,
-                           shutdown_grace_s=self.shutdown_grace_s, execution_log=self.execution_log)
+        """The request front of these settings (``~`` in ipc:// paths expanded)."""
+        return FrontConfig(daemon="edged", endpoints=tuple(expand_endpoint(ep) for ep in self.endpoints),
+                           result_ttl_s=self.result_ttl_s, shutdown_grace_s=self.shutdown_grace_s,
+                           execution_log=self.execution_log, curve_secret_key=self.curve_secret_key,
+                           curve_authorized_dir=self.curve_authorized_dir, curve_operator_dir=self.curve_operator_dir)
 
 
 @dataclass
@@ -154,7 +181,12 @@ class EdgeServer(Lane[Prepared]):
         self.model = model  # what the stats say it runs
         self.counters = EdgeCounters()
         self.live: dict[str, EdgeRequest] = {}
-        self.front: RequestFront[Prepared] = RequestFront(self, config.front(), context)
+        front = config.front()
+        for endpoint in front.endpoints:
+            make_private_dir(endpoint)
+        self.front: RequestFront[Prepared] = RequestFront(self, front, context)
+        for endpoint in self.front.endpoints:
+            restrict_socket(endpoint)
         # the local worker's and the cloud link's events, for the front's loop
         self.mailbox = self.front.mailbox
         self.endpoints = self.front.endpoints

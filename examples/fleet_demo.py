@@ -74,7 +74,7 @@ max_len = 2048
 threads = 2
 [serve]
 robot_id = "amr-030"
-endpoints = ["ipc://{tmp}/edged.sock", "tcp://127.0.0.1:0"]
+endpoints = ["ipc://{tmp}/edged.sock"]
 [escalation]
 cloud_endpoint = "tcp://127.0.0.1:{cloud_port}"
 server_public_key = "{server_public}"

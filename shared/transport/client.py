@@ -33,6 +33,7 @@ import zmq.utils.monitor
 from shared.protocol.codec import ProtocolError, decode, encode
 from shared.protocol.messages import Cancel, Chunk, Error, ErrorCode, Generate, Health, Message, Result, Stats
 from shared.transport.curve import ClientCurve
+from shared.transport.local_socket import expand_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,11 @@ class ClientConfig:
 
 class FleetClient:
     """Talks the protocol to a daemon at ``endpoint`` (``tcp://127.0.0.1:5555``, ``ipc://...``,
-    or ``inproc://...`` with the daemon's ``context``). Close it when done (or use ``with``)."""
+    or ``inproc://...`` with the daemon's ``context``; ``ipc://~/...``: under this user's home).
+    Close it when done (or use ``with``)."""
 
     def __init__(self, endpoint: str, config: ClientConfig = ClientConfig(), context: zmq.Context | None = None):
-        self.endpoint = endpoint
+        self.endpoint = expand_endpoint(endpoint)
         self.config = config
         self._context = context or zmq.Context.instance()
         self._outbox: queue.Queue[bytes | None] = queue.Queue()  # encoded by the caller: the I/O thread only sends

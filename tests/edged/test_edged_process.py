@@ -71,7 +71,7 @@ max_len = {MAX_LEN}
 threads = 1
 [serve]
 robot_id = "amr-030"
-endpoints = ["ipc://{self.root / name}.sock", "tcp://127.0.0.1:0"]
+endpoints = ["ipc://{self.root / name}.sock"]
 pinned_dir = "{self.root / 'pinned'}"
 [escalation]
 cloud_endpoint = "{self.cloud_endpoint}"
@@ -90,8 +90,9 @@ file = "amr.txt"
         return DaemonProcess("edged", ["serve", "--config", str(cfg)], ready="edged ready:")
 
 
-def endpoint(edge: DaemonProcess, kind: str) -> str:
-    return next(ep for ep in edge.fields["endpoints"].split(",") if ep.startswith(kind))
+def endpoint(edge: DaemonProcess) -> str:
+    """edged's one endpoint: an ipc:// socket in the test's own directory."""
+    return edge.fields["endpoints"]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def edge(fleet) -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def client(edge) -> Iterator[FleetClient]:
-    with FleetClient(endpoint(edge, "ipc")) as c:
+    with FleetClient(endpoint(edge)) as c:
         yield c
 
 
@@ -157,7 +158,7 @@ def test_a_stream_answered_locally_arrives_in_chunks(client):
 
 
 def test_a_plan_streamed_on_the_robot_says_so_from_its_first_step(edge):
-    with PlanClient(endpoint(edge, "tcp"), robot_id="amr-031", timeout_s=120) as robot:
+    with PlanClient(endpoint(edge), robot_id="amr-031", timeout_s=120) as robot:
         events = list(robot.stream("go to waypoint 17.", skills=[goto], escalation="local", max_steps=1,
                                    max_tokens=128))
     steps = [e for e in events if isinstance(e, PlanStepEvent)]
@@ -183,7 +184,7 @@ def test_a_prompt_past_max_prompt_chars_is_refused_before_it_is_tokenized(client
 def _dealer(edge: DaemonProcess) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint(edge, "ipc"))
+    sock.connect(endpoint(edge))
     return sock
 
 
@@ -248,7 +249,7 @@ def test_the_cloud_killed_mid_request_falls_back_locally_and_comes_back(fleet, e
     assert result.source.value == "edge" and result.degraded and result.escalation_reason == "requested"
     assert "cloud" in result.detail
     assert time.monotonic() - start < 60  # inside the deadline
-    with PlanClient(endpoint(edge, "tcp"), robot_id="amr-030", timeout_s=120) as robot:  # what robots see
+    with PlanClient(endpoint(edge), robot_id="amr-030", timeout_s=120) as robot:  # what robots see
         down = robot.plan("go to waypoint 17.", skills=[goto], escalation="cloud", max_steps=1, max_tokens=128)
     assert (down.source, down.degraded, down.escalation_reason) == ("edge", True, "requested")
     assert [step.skill for step in down.steps] == ["goto"]
@@ -272,7 +273,7 @@ def test_a_restart_reads_the_pinned_kv_from_disk_and_gives_the_same_tokens(fleet
     before = client.generate(request("same-1", escalation=Escalation.LOCAL), timeout_s=120)
     again = fleet.start_edge("restarted", min_mean_logprob=0.0)  # every plan is "unsure"
     try:
-        with FleetClient(endpoint(again, "tcp")) as c2:
+        with FleetClient(endpoint(again)) as c2:
             stats = c2.stats(timeout_s=10)
             assert stats["pinned"] == [{"name": "amr", "tokens": stats["pinned"][0]["tokens"], "from_disk": True}]
             after = c2.generate(request("same-1", escalation=Escalation.LOCAL), timeout_s=120)
