@@ -6,8 +6,15 @@ Interfaces (types from ``fleetserve_interfaces``, built by ``ros/build_interface
 - action ``~/plan`` (``Plan``): goal task, scene JSON, skill-set id or raw JSON schema, priority,
   deadline, escalation, max_tokens; feedback per finished plan step (all steps so far and where
   the plan runs); result a ``PlanResult``. Canceling a goal cancels the request at the daemon
-  (``PlanClient.cancel_nowait``), which stops generation. Goals beyond ``max_concurrent_goals`` running
-  plans are rejected.
+  (``PlanClient.cancel_nowait``), which stops generation. A goal is checked when it arrives: an
+  invalid one (a bad field, an unknown skill set, skills that name scene places with no scene,
+  ``max_tokens`` too small for one step) is rejected, as are goals while inactive or beyond
+  ``max_concurrent_goals`` running plans; nothing is sent to the daemon for them.
+- topic ``~/goal_rejections`` (``diagnostic_msgs/DiagnosticStatus``, reliable, transient_local,
+  depth ``plans_history``): why each goal was rejected, since a ROS 2 action rejection carries
+  no reason. ``name`` "<node>: goal rejected", ``message`` the reason (also logged as a
+  warning), ``values`` the goal's task, skills, priority, escalation, max_tokens and deadline_ms,
+  by which a client finds its own.
 - service ``~/get_plan`` (``GetPlan``): one plan, no feedback; counts against the same limit
   (over it the answer is ``ok`` false, "busy").
 - topic ``/plans`` (``PlanResult``, reliable, transient_local, depth ``plans_history``): every
@@ -47,11 +54,12 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from robot_sdk import PlanClient, PlanDone, PlanError, PlanStepEvent, PlanText
 from robot_sdk.ros.plan_request import PlanArgs, PlanDefaults, plan_args
 from robot_sdk.ros.skill_sets import load_skill_sets
-from robot_sdk.ros.status import EndpointStatus
+from robot_sdk.ros.status import EndpointStatus, Level
+from shared.transport.local_socket import EDGED_ENDPOINT
 
 NODE_NAME = "fleetserve_ros"
 PARAMETERS: dict[str, Any] = {
-    "endpoint": "tcp://127.0.0.1:5555",  # edged or cloudd, ZeroMQ
+    "endpoint": EDGED_ENDPOINT,  # edged's default socket (the node runs as the robot's user), or cloudd's
     "endpoint_tier": "",  # "edge" | "cloud" | "": lets feedback say where a plan runs before it is done
     "robot_id": "",  # sent with every request ("" = the node's name)
     "timeout_s": 30.0,  # PlanClient: a silent daemon is re-sent the request after this long
@@ -143,11 +151,12 @@ class FleetServeNode(LifecycleNode):
         work = ReentrantCallbackGroup()
         self._plans_pub = self.create_publisher(PlanResult, "/plans", plans_qos)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._rejections_pub = self.create_publisher(DiagnosticStatus, "~/goal_rejections", plans_qos)
         self._action = ActionServer(self, PlanAction, "~/plan", execute_callback=self._execute,
                                     goal_callback=self._on_goal, cancel_callback=self._on_cancel,
                                     callback_group=work)
         self._service = self.create_service(GetPlan, "~/get_plan", self._get_plan, callback_group=work)
-        self._entities = [self._plans_pub, self._diag_pub, self._action, self._service]
+        self._entities = [self._plans_pub, self._diag_pub, self._rejections_pub, self._action, self._service]
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._timer = self.create_timer(self._period_s, self._publish_diagnostics,
@@ -192,11 +201,11 @@ class FleetServeNode(LifecycleNode):
     def _close(self) -> None:
         """Destroy what configure created; a no-op when nothing was."""
         if self._entities:
-            plans_pub, diag_pub, action, service = self._entities
+            *publishers, action, service = self._entities
             action.destroy()
             self.destroy_service(service)
-            self.destroy_publisher(plans_pub)
-            self.destroy_publisher(diag_pub)
+            for publisher in publishers:
+                self.destroy_publisher(publisher)
             self._entities = []
         for client in (self._client, self._probe):
             if client is not None:
@@ -224,9 +233,25 @@ class FleetServeNode(LifecycleNode):
     # --- the Plan action -------------------------------------------------------------------------
 
     def _on_goal(self, goal: PlanAction.Goal) -> GoalResponse:
-        if self._reserve():
-            return GoalResponse.ACCEPT
-        self.get_logger().warning(f"goal rejected: inactive or {self._max_goals} plans already running")
+        """Accept a goal only if it can run: its fields checked (``plan_args``), then what the
+        client checks before sending (``PlanClient.stream`` checks its arguments when called and
+        sends on the first ``next()``, so the stream made here is closed unsent), then a slot."""
+        try:
+            args = plan_args(goal, self._defaults, self._skill_sets)
+            self._client.stream(**args.client_kwargs()).close()
+        except (ValueError, TypeError) as e:
+            return self._reject(goal, f"invalid goal: {e}")
+        if not self._reserve():
+            return self._reject(goal, f"inactive or {self._max_goals} plans already running")
+        return GoalResponse.ACCEPT
+
+    def _reject(self, goal: PlanAction.Goal, reason: str) -> GoalResponse:
+        """Log ``reason`` and publish it on ``~/goal_rejections``; the goal is rejected."""
+        self.get_logger().warning(f"goal rejected: {reason}")
+        fields = ("task", "skills", "priority", "escalation", "max_tokens", "deadline_ms")
+        self._rejections_pub.publish(DiagnosticStatus(
+            level=bytes([int(Level.WARN)]), name=f"{self.get_name()}: goal rejected", message=reason,
+            hardware_id=self.endpoint, values=[KeyValue(key=f, value=str(getattr(goal, f))) for f in fields]))
         return GoalResponse.REJECT
 
     def _on_cancel(self, goal_handle: Any) -> CancelResponse:
