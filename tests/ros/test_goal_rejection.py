@@ -11,8 +11,7 @@ domain id (see conftest.py).
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,65 +20,35 @@ pytest.importorskip("fleetserve_interfaces", exc_type=ImportError)
 
 from action_msgs.msg import GoalStatus  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
-from fleetserve_interfaces.action import Plan  # noqa: E402
-from rclpy.action import ActionClient  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
-from rclpy.node import Node  # noqa: E402
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
 
 from shared.daemon_process import DaemonProcess  # noqa: E402
+from tests.ros.ros_client import NODE, RosTestClient  # noqa: E402
 from tests.sdk.fake_daemon import FakeDaemon, result  # noqa: E402
 
 # rosidl's lark still imports sre_parse; harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:module 'sre_:DeprecationWarning")
-NODE = "/fleetserve_ros"
 TASK = "Bring crate 17 from aisle 4 to the packing station."
 PLAN_TEXT = json.dumps({"steps": [{"skill": "goto", "args": {"waypoint": "packing station", "speed": 1.0}}],
                         "done": True, "confidence": 0.9})
 WAIT_S = 60.0
 
 
-class GoalClient:
-    """An rclpy action client and a ``~/goal_rejections`` subscriber, spun inside bounded waits."""
+class GoalClient(RosTestClient):
+    """The Plan action and a ``~/goal_rejections`` subscriber."""
 
     def __init__(self) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = Node("fleetserve_rejection_client", context=self.context)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.plan = ActionClient(self.node, Plan, f"{NODE}/plan")
+        super().__init__("fleetserve_rejection_client")
         self.rejections: list[DiagnosticStatus] = []
         latched = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.node.create_subscription(DiagnosticStatus, f"{NODE}/goal_rejections", self.rejections.append, latched)
 
-    def wait(self, future):
-        self.executor.spin_until_future_complete(future, timeout_sec=WAIT_S)
-        assert future.done(), f"no answer within {WAIT_S} s"
-        return future.result()
-
-    def spin_until(self, predicate: Callable[[], object]):
-        end = time.monotonic() + WAIT_S
-        while time.monotonic() < end:
-            if value := predicate():
-                return value
-            self.executor.spin_once(timeout_sec=0.1)
-        raise AssertionError(f"not within {WAIT_S} s: {predicate}")
-
-    def send_goal(self, **fields):
-        return self.wait(self.plan.send_goal_async(Plan.Goal(**fields)))
-
     def rejection_of(self, task: str) -> DiagnosticStatus:
         """The published rejection of the goal whose task is ``task``."""
         return self.spin_until(lambda: next((r for r in self.rejections
-                                             if {kv.key: kv.value for kv in r.values}.get("task") == task), None))
-
-    def close(self) -> None:
-        self.plan.destroy()
-        self.executor.shutdown()
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
+                                             if {kv.key: kv.value for kv in r.values}.get("task") == task), None),
+                               WAIT_S)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +96,7 @@ def test_an_invalid_goal_is_rejected_and_its_reason_published(ros, node, daemon,
 def test_a_valid_goal_is_still_accepted_and_planned(ros, daemon):
     goal = ros.send_goal(task=TASK, skills="amr")
     assert goal.accepted
-    answer = ros.wait(goal.get_result_async())
+    answer = ros.wait(goal.get_result_async(), WAIT_S)
     assert answer.status == GoalStatus.STATUS_SUCCEEDED, answer.result.result.message
     assert json.loads(answer.result.result.plan_json)["steps"][0]["skill"] == "goto"
     assert not [r for r in ros.rejections if {kv.key: kv.value for kv in r.values}.get("task") == TASK]

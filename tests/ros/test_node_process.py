@@ -15,8 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,25 +25,21 @@ pytest.importorskip("fleetserve_interfaces", exc_type=ImportError)
 
 from action_msgs.msg import GoalStatus  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
-from fleetserve_interfaces.action import Plan  # noqa: E402
 from fleetserve_interfaces.msg import PlanResult  # noqa: E402
 from fleetserve_interfaces.srv import GetPlan  # noqa: E402
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
-from rclpy.action import ActionClient  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
-from rclpy.node import Node  # noqa: E402
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
 
 from shared.engine.grammar.response_format import AMR_SKILLS, MANIPULATOR_SKILLS  # noqa: E402
 from shared.transport.client import FleetClient  # noqa: E402
 from shared.daemon_process import DaemonProcess  # noqa: E402
+from tests.ros.ros_client import NODE, RosTestClient  # noqa: E402
 
 # rosidl's lark still imports sre_parse; harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:module 'sre_:DeprecationWarning")
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE = "/fleetserve_ros"
 TASK = "Bring crate 17 from aisle 4 to the packing station."
 SCENE = json.dumps({"robot": "amr-7", "at": "dock 2", "crate 17": "aisle 4, shelf B"})
 PLAN_TIMEOUT_S = 240.0  # one plan on a loaded 2-core machine
@@ -109,16 +104,11 @@ def node(cloudd) -> Iterator[DaemonProcess]:
     assert d.terminate(timeout_s=30) == 0, d.log()  # SIGTERM: a clean shutdown
 
 
-class RosClient:
-    """An rclpy node in this process, on its own context, spun only inside bounded waits."""
+class RosClient(RosTestClient):
+    """The Plan action, the GetPlan and lifecycle services, /plans and /diagnostics."""
 
     def __init__(self) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = Node("fleetserve_test_client", context=self.context)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.plan = ActionClient(self.node, Plan, f"{NODE}/plan")
+        super().__init__("fleetserve_test_client")
         self.get_plan = self.node.create_client(GetPlan, f"{NODE}/get_plan")
         self.change_state = self.node.create_client(ChangeState, f"{NODE}/change_state")
         self.get_state = self.node.create_client(GetState, f"{NODE}/get_state")
@@ -129,32 +119,8 @@ class RosClient:
         self.node.create_subscription(PlanResult, "/plans", self.plans.append, latched)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self.diagnostics.append, 10)
 
-    def wait(self, future, timeout_s: float = 30.0):
-        self.executor.spin_until_future_complete(future, timeout_sec=timeout_s)
-        assert future.done(), f"no answer within {timeout_s} s"
-        return future.result()
-
-    def spin_until(self, predicate: Callable[[], object], timeout_s: float = 30.0):
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if value := predicate():
-                return value
-            self.executor.spin_once(timeout_sec=0.1)
-        raise AssertionError(f"not within {timeout_s} s: {predicate}")
-
-    def send_goal(self, feedback: list | None = None, **fields):
-        goal = Plan.Goal(**fields)
-        callback = None if feedback is None else (lambda msg: feedback.append(msg.feedback))
-        return self.wait(self.plan.send_goal_async(goal, feedback_callback=callback))
-
     def call(self, client, request, timeout_s: float = 30.0):
         return self.wait(client.call_async(request), timeout_s)
-
-    def close(self) -> None:
-        self.plan.destroy()
-        self.executor.shutdown()
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 @pytest.fixture(scope="module")
