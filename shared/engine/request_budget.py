@@ -11,8 +11,9 @@ limits (``shared.engine.grammar.limits``) keep ordinary requests far below it; t
 catches what no static check sees. The step's heaviest request is kept (``heaviest``) for a
 daemon's ``/health``.
 
-The meters read ``WorkMeter.timer`` (``time.perf_counter``; a test sets a fake one on the class
-or on one meter).
+The meters read ``WorkMeter.timer``: ``time.thread_time``, the engine thread's CPU time, so a
+request is charged its own work and never the time the thread waited for a core or the GIL
+(a loaded host must not end requests). A test sets a fake timer on the class or on one meter.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ Timer = Callable[[], float]
 
 class WorkMeter:
     """Seconds of one request's own work since the last ``take``; used on the engine's thread.
-    It reads ``timer``: the class's (``time.perf_counter``) unless one is set on the meter."""
+    It reads ``timer``: the class's (``time.thread_time``) unless one is set on the meter."""
 
-    timer: Timer = staticmethod(time.perf_counter)
+    timer: Timer = staticmethod(time.thread_time)
 
     def __init__(self) -> None:
         self.seconds = 0.0

@@ -24,6 +24,7 @@ import select
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,8 @@ class CompilePool:
         self._closed = False
         self._all: set[_Worker] = set()
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        # NOTE: a pool dropped without close (an engine a test let go) still kills its workers
+        self._finalizer = weakref.finalize(self, _kill_all, self._all, self._lock)
         for _ in range(workers):
             self._idle.put(self._start())
 
@@ -104,11 +107,8 @@ class CompilePool:
 
     def close(self) -> None:
         """Kill every worker (a compile in progress raises ValueError)."""
-        with self._lock:
-            self._closed = True
-            workers, self._all = list(self._all), set()
-        for worker in workers:
-            _kill(worker)
+        self._closed = True
+        self._finalizer()
 
     def _ask(self, worker: _Worker, spec: GrammarSpec) -> dict:
         try:
@@ -145,6 +145,14 @@ class CompilePool:
         with self._lock:
             self._all.add(worker)
         return worker
+
+
+def _kill_all(workers: set[_Worker], lock: threading.Lock) -> None:
+    with lock:
+        dying = list(workers)
+        workers.clear()
+    for worker in dying:
+        _kill(worker)
 
 
 def _kill(worker: _Worker) -> None:
