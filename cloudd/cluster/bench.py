@@ -77,7 +77,9 @@ def run_cluster_bench(opts: ClusterBenchOptions, log: Log) -> dict:
     result = {"trace": str(opts.trace), "requests": len(requests), "replicas": opts.cluster.replicas,
               "runs": runs, "single_replica": single, single_key: single["prefix_hit_rate"]}
     if pools is not None:
-        result |= {"pool": dataclasses.asdict(pools), "predicted": dataclasses.asdict(pools.predicted)}
+        pool = {"working_set_tokens": pools.working_set_tokens, "replica_blocks": pools.replica_blocks,
+                "combined_blocks": pools.combined_blocks}
+        result |= {"pool": pool, "predicted": dataclasses.asdict(pools.predicted)}
     for router, r in runs.items():
         log(f"{router}: prefix hit {r['prefix_hit_rate']:.3f} ({r['prefix_hit_rate'] - single['prefix_hit_rate']:+.3f}"
             f" vs one replica), {r['output_tok_s']:.1f} output tok/s, decisions {r['router']['decisions']}, "
