@@ -50,3 +50,17 @@ def test_a_grammar_compiled_in_a_worker_matches_as_one_compiled_here(tokenizer, 
     text = '{"steps": [{"skill": "undock", "args": {}}'  # a prefix of a plan
     accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
     assert accepted and compiled.tokenizer_info.vocab_size == MODEL_VOCAB
+
+
+def test_compile_workers_run_at_the_lowest_cpu_priority(tokenizer):
+    """A long compile must take what the engine's steps leave, not slow every robot's stream."""
+    import os
+
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, compile_threads=1, workers=2, timeout_s=600)
+    try:
+        both = [compiler.compile_async(DIGITS), compiler.compile_async(GrammarSpec("regex", "[a-z]{1,3}"))]
+        assert all(isinstance(f.result(timeout=300), xgr.CompiledGrammar) for f in both)  # each worker set up
+        pids = [worker.process.pid for worker in compiler._pool._all]
+        assert len(pids) == 2 and all(os.getpriority(os.PRIO_PROCESS, pid) == 19 for pid in pids)
+    finally:
+        compiler.close()
