@@ -78,6 +78,7 @@ def _one_kind(fleet: Fleet, attack: Attack, target: Target, victim: Victim, sett
         attacker.join(30.0)
     fleet.check_alive()
     result = KindResult(attack.name, tuple(attacked.gaps), tuple(baseline.gaps),
+                        tuple(attacked.first_chunk_waits), tuple(baseline.first_chunk_waits),
                         crashes=len(fleet.exits) - exits_before, lost=baseline.lost + attacked.lost,
                         refused=attacked.refused + baseline.refused + (tenant.refused if tenant else 0))
     entry = {**result.as_dict(), "finding": attack.finding, "attack": counts.as_dict(),

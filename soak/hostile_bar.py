@@ -1,10 +1,10 @@
 """The hostile-tenant phase's bar, as pure functions of what the victim measured.
 
-A *gap* is one wait of the victim robot for its stream: from a plan request's send to its first
-chunk, and from each chunk to the next (the first wait counts: a robot waits for its first token
-just the same, and a grammar compile held behind an attacker's shows nowhere else). A wait still
-open when a window ends counts too, up to the window's end, so a victim stuck for the whole
-window is not a victim with no gaps.
+A *gap* is one inter-token wait of the victim robot: from each chunk of its stream to the next
+(the issue's bar is on inter-token gaps). A wait still open when a window ends counts too, up to
+the window's end, whether or not its plan had a first chunk yet, so a victim stuck for the whole
+window is not a victim with no gaps. The waits for each plan's first chunk (its prefill, a few per
+window: too few for a p99 of their own) are reported beside the gaps (``*_first_chunk_max_s``).
 
 Per attack kind the bar is: the victim's p99 gap during the attack at most ``GAP_RATIO`` times
 its p99 gap with no attacker, no daemon crashed, no victim request lost (no answer), and none
@@ -40,6 +40,8 @@ class KindResult:
     kind: str
     victim_gaps: tuple[float, ...]
     baseline_gaps: tuple[float, ...]
+    victim_first_chunk_waits: tuple[float, ...] = ()
+    baseline_first_chunk_waits: tuple[float, ...] = ()
     crashes: int = 0  # daemon exits during this kind
     lost: int = 0  # victim requests with no answer
     refused: int = 0  # victim requests (or HTTP tenant probes) answered with an error
@@ -72,6 +74,8 @@ class KindResult:
                 "baseline_gap_p99_s": rounded(self.baseline_gap_p99_s), "ratio": rounded(self.ratio),
                 "victim_gaps": len(self.victim_gaps), "baseline_gaps": len(self.baseline_gaps),
                 "victim_gap_max_s": rounded(max(self.victim_gaps, default=None)),
+                "victim_first_chunk_max_s": rounded(max(self.victim_first_chunk_waits, default=None)),
+                "baseline_first_chunk_max_s": rounded(max(self.baseline_first_chunk_waits, default=None)),
                 "crashes": self.crashes, "lost": self.lost, "refused": self.refused, "passed": self.passed}
 
 

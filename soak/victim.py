@@ -1,7 +1,8 @@
 """The victim robot of the hostile-tenant phase: it streams realistic plans from cloudd (robot_sdk
 ``PlanClient.stream`` over ZeroMQ with its own CURVE key, the soak's skills, scene and tasks)
-back to back for one window, and records every wait between what it receives (the gaps of
-``soak.hostile_bar``).
+back to back for one window, and records every wait between the chunks it receives (the gaps of
+``soak.hostile_bar``) and, apart, each plan's wait for its first chunk (its prefill: a few per
+window, reported beside the gaps).
 
 Every plan has a 30 s deadline and the fleet's skill set, whose grammar cloudd compiled at
 start-up (``precompile``): the victim measures the serving path, not a compile (one new
@@ -36,7 +37,8 @@ LOST_AFTER_S = LATE_MARGIN_S + 30.0  # past the deadline with no answer: lost (a
 class VictimWindow:
     """What the victim saw in one window."""
 
-    gaps: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # between chunks, and the wait open at the window's end
+    first_chunk_waits: list[float] = field(default_factory=list)  # from each plan's send to its first chunk
     plans: int = 0  # plans sent
     answers: Counter = field(default_factory=Counter)  # "plan", "InvalidPlan", a refusal's error name, "lost"
     lost: int = 0
@@ -57,10 +59,10 @@ class Victim:
         last_event: list[float | None] = [None]  # the start of the open wait; None between plans
         stop = threading.Event()
 
-        def seen(now: float) -> None:
+        def seen(now: float, first: bool) -> None:
             with lock:
                 if last_event[0] is not None and now <= ends:
-                    figures.gaps.append(now - last_event[0])
+                    (figures.first_chunk_waits if first else figures.gaps).append(now - last_event[0])
                 last_event[0] = now
 
         def loop() -> None:
@@ -93,16 +95,19 @@ class Victim:
         return figures
 
     @staticmethod
-    def _one_plan(client: PlanClient, task: str, seen: Callable[[float], None],
+    def _one_plan(client: PlanClient, task: str, seen: Callable[[float, bool], None],
                   last_event: list[float | None], lock: threading.Lock) -> str:
-        """Stream one plan, calling ``seen`` at the send and at every text chunk; its answer's name."""
+        """Stream one plan, calling ``seen`` at every text chunk (``first`` for the first); its
+        answer's name."""
         with lock:
             last_event[0] = time.monotonic()
+        first = True
         try:
             for event in client.stream(task, scene=SCENE, skills=SKILLS, max_steps=MAX_STEPS,
                                        deadline_ms=VICTIM_DEADLINE_MS):
                 if isinstance(event, PlanText):
-                    seen(time.monotonic())
+                    seen(time.monotonic(), first)
+                    first = False
                 elif isinstance(event, PlanDone):
                     return "plan"
             return "lost:stream ended without a plan"

@@ -10,13 +10,14 @@ from soak.victim import Victim
 
 
 class FakeClient:
-    """A PlanClient whose every stream yields one text chunk, then ends in ``end``."""
+    """A PlanClient whose every stream yields two text chunks, then ends in ``end``."""
 
     def __init__(self, end: Exception):
         self.end = end
 
     def stream(self, *args, **kwargs):
         yield PlanText("{", "cloud")
+        yield PlanText('"steps"', "cloud")
         raise self.end
 
     def close(self) -> None:
@@ -34,4 +35,5 @@ def test_a_typed_refusal_counts_refused_the_models_invalid_plan_does_not_and_any
     assert window.plans >= 1 and window.answers == {answer: window.plans}
     assert window.refused == (window.plans if refused else 0)
     assert window.lost == (window.plans if lost else 0)
-    assert window.gaps  # each plan's wait for its first chunk
+    assert len(window.first_chunk_waits) == window.plans or len(window.first_chunk_waits) == window.plans - 1
+    assert window.gaps  # between each plan's two chunks
