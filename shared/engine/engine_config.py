@@ -46,7 +46,8 @@ class EngineConfig:
     # bf16: no transposes on its reads) | "tokens" | "paired"
     kv_layout: str = "auto"
     # Grammar compiles run in this many worker processes (shared.engine.grammar.compile_pool);
-    # one past grammar_compile_timeout_s is killed and its request ends with an error naming it
+    # at the lowest CPU priority; one past grammar_compile_timeout_s of CPU time (or ten times it in
+    # wall time) is killed and its request ends with an error naming it
     grammar_compile_workers: int = 2
     grammar_compile_timeout_s: float = 60.0
     # A request whose own grammar and detokenizer work in one step passes this ends alone with

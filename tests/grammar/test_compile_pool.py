@@ -35,7 +35,7 @@ def test_a_compile_past_its_time_limit_is_killed_and_answered_and_its_worker_rep
     compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, compile_threads=1, workers=1, timeout_s=1)
     try:
         with pytest.raises(CompileTimeout,
-                           match=r"json schema took longer than 1 s to compile \(grammar_compile_timeout_s\)"):
+                           match=r"json schema took longer than 1 s of CPU time to compile \(grammar_compile_timeout_s\)"):
             compiler.compile(RUNAWAY)
         assert compiler.stats.failures == 1
         assert isinstance(compiler.compile(DIGITS), xgr.CompiledGrammar)  # by the one new worker
@@ -64,3 +64,25 @@ def test_compile_workers_run_at_the_lowest_cpu_priority(tokenizer):
         assert len(pids) == 2 and all(os.getpriority(os.PRIO_PROCESS, pid) == 19 for pid in pids)
     finally:
         compiler.close()
+
+
+def test_the_limit_counts_the_workers_cpu_time_not_its_wait_for_the_cores():
+    """A worker waiting (here: asleep) is not killed by the CPU limit, only by the wall-clock
+    backstop; one computing is stopped once it has used the CPU limit."""
+    import subprocess
+    import sys
+
+    from shared.engine.grammar.compile_pool import _Worker
+
+    waiting = _Worker(subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE))
+    spinning = _Worker(subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.PIPE))
+    try:
+        assert waiting.reply_within_cpu(cpu_limit_s=0.05, wall_limit_s=1.0) is None
+        assert waiting.cpu_seconds() < 0.05  # it ended at the wall-clock backstop
+        assert spinning.reply_within_cpu(cpu_limit_s=0.3, wall_limit_s=120.0) is None
+        assert spinning.cpu_seconds() >= 0.3
+    finally:
+        for worker in (waiting, spinning):
+            worker.process.kill()
+            worker.process.wait()
+            worker.process.stdout.close()

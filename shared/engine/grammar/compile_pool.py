@@ -4,10 +4,12 @@ A compile can run for minutes (a nested schema ``pattern`` took 89 s) and xgramm
 interrupted inside a thread, so compiles run in ``workers`` subprocesses
 (``python -m shared.engine.grammar.compile_worker``: the engine's process holds torch's
 threads and is never forked, and multiprocessing's spawn would import the daemon's
-``__main__`` again in each worker). A compile that runs past
-``timeout_s`` has its process killed and replaced, and raises ``CompileTimeout``; one that dies
-raises ValueError too. Each worker compiles one grammar at a time, so a runaway holds one
-worker for at most ``timeout_s`` and the others go on compiling meanwhile.
+``__main__`` again in each worker). A compile that spends more than ``timeout_s`` of CPU time
+(its worker's, read from ``/proc``: the workers run at the lowest priority, so on a busy machine
+a legitimate compile waits for the cores, and wall time would count that wait against it), or
+``WALL_LIMIT_FACTOR`` times that in wall time, has its process killed and replaced, and raises
+``CompileTimeout``; one that dies raises ValueError too. Each worker compiles one grammar at a
+time, so a runaway holds one worker and the others go on compiling meanwhile.
 
 The compiled grammar comes back as xgrammar's ``CompiledGrammar.serialize_json()`` and is
 rebuilt here with ``deserialize_json`` against the same ``TokenizerInfo`` (xgrammar checks that
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import select
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +38,9 @@ from shared.engine.grammar.response_format import GrammarSpec
 
 log = logging.getLogger(__name__)
 WORKER_START_S = 300.0  # a worker that is not ready by then is taken for dead
+WALL_LIMIT_FACTOR = 10.0  # a compile is killed past this many times its CPU limit in wall time, CPU or not
+_POLL_S = 0.5  # how often a compile's CPU time is read
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _ROOT = str(Path(__file__).resolve().parents[3])  # where the worker imports ``shared`` from
 _WORKER_MAIN = (f"import sys; sys.path.insert(0, {_ROOT!r}); "
                 "from shared.engine.grammar.compile_worker import serve; serve()")
@@ -51,6 +58,27 @@ class _Worker:
     def ask(self, message: dict) -> None:
         self.process.stdin.write(json.dumps(message).encode() + b"\n")
         self.process.stdin.flush()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the worker has used, all its threads (0 once it has exited)."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime (fields 14, 15 of stat)
+
+    def reply_within_cpu(self, cpu_limit_s: float, wall_limit_s: float) -> dict | None:
+        """The next reply, or None once the worker has spent ``cpu_limit_s`` of CPU time on it
+        or ``wall_limit_s`` have passed without one."""
+        cpu_at, began = self.cpu_seconds(), time.monotonic()
+        while (left := wall_limit_s - (time.monotonic() - began)) > 0:
+            reply = self.reply(min(_POLL_S, left))
+            if reply is not None:
+                return reply
+            if self.cpu_seconds() - cpu_at > cpu_limit_s:
+                return None
+        return None
 
     def reply(self, timeout_s: float) -> dict | None:
         """The next reply, or None when none began within ``timeout_s``."""
@@ -118,7 +146,7 @@ class CompilePool:
                     raise ValueError(f"a grammar compile worker did not start in {WORKER_START_S:.0f} s")
                 worker.ready = True
             worker.ask({"kind": spec.kind, "source": spec.source})
-            reply = worker.reply(self.timeout_s)
+            reply = worker.reply_within_cpu(self.timeout_s, WALL_LIMIT_FACTOR * self.timeout_s)
             if reply is not None and "compiled" in reply:
                 reply["compiled"] = worker.payload(reply["compiled"])
         except (EOFError, OSError, ValueError) as exc:
@@ -126,8 +154,8 @@ class CompilePool:
             raise ValueError(f"cannot compile {spec.kind.replace('_', ' ')}: {why}") from exc
         if reply is None:
             log.warning("a %s grammar compile ran past %s s: its worker is killed", spec.kind, self.timeout_s)
-            raise CompileTimeout(f"the {spec.kind.replace('_', ' ')} took longer than {self.timeout_s:g} s "
-                                 "to compile (grammar_compile_timeout_s): simplify it")
+            raise CompileTimeout(f"the {spec.kind.replace('_', ' ')} took longer than {self.timeout_s:g} s of CPU "
+                                 "time to compile (grammar_compile_timeout_s): simplify it")
         return reply
 
     def _replace(self, worker: _Worker) -> None:
