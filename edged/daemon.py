@@ -30,7 +30,9 @@ def build_server(config: EdgeConfig) -> EdgeServer:
                            products=b.products)
     if backend.products is not None:
         log.info("%s %s: block products in %s (configured %s)", b.kind, b.quant, backend.products, b.products)
-    compiler = GrammarCompiler(checkpoint.tokenizer, backend.vocab_size)
+    # NOTE: one compile process (about 300 MB each): a robot's clients are its own processes, and
+    # its memory is the robot's
+    compiler = GrammarCompiler(checkpoint.tokenizer, backend.vocab_size, workers=1)
     compiler.precompile([grammar_spec(fleet_plan_format())])
     generator = Batch1Generator(backend, checkpoint.tokenizer, compiler, pinned_dir=config.serve.pinned_dir,
                                 speculation=config.speculation)
