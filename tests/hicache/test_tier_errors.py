@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from shared.engine.engine import Engine
 from shared.engine.kv.hicache import TierCopyError
 from shared.engine.kv.tier_copier import TierCopier
 from tests.hicache.test_generation_tiers import (

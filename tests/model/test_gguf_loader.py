@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 
-from shared.model.checkpoint import load_checkpoint
 from shared.model.gguf_loader import hf_tensor_name
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

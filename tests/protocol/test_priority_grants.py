@@ -5,16 +5,15 @@ key name, or any client where CURVE is off); operator keys may use every class."
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import zmq
 
 from shared.protocol.messages import Error, ErrorCode, Priority, Result
-from shared.transport.curve import ClientCurve, create_keys
+from shared.transport.curve import ClientCurve
 from shared.transport.priority_grants import PriorityGrants
-from tests.protocol.test_request_front import Peer, config, gen, running
+from tests.protocol.test_request_front import Peer, config, curve_keys, gen, running
 
 ROBOT_GRANTS = PriorityGrants.from_config(["interactive", "plan", "background"],
                                           {"amr-*": ["safety", "interactive", "plan", "background"]})
@@ -53,14 +52,8 @@ def test_without_curve_the_grant_is_the_robot_id_s_and_safety_above_it_is_refuse
 
 
 def test_with_curve_the_grant_is_the_robot_key_s_whatever_robot_id_it_claims(tmp_path: Path):
-    for folder, names in (("robots", ("amr-001", "cart-001")), ("operators", ("ops",)), ("server", ("testd",))):
-        (tmp_path / folder).mkdir()
-        for name in names:
-            public, _ = create_keys(tmp_path / "secrets", name)
-            shutil.copy(public, tmp_path / folder)
+    keys = curve_keys(tmp_path, ("amr-001", "cart-001"))
     context = zmq.Context()  # one ZAP authenticator per context
-    keys = dict(curve_secret_key=str(tmp_path / "secrets" / "testd.key_secret"),
-                curve_authorized_dir=str(tmp_path / "robots"), curve_operator_dir=str(tmp_path / "operators"))
     with running(config(priority_grants=ROBOT_GRANTS, **keys), context) as lane:
         def peer(name: str) -> Peer:
             secret = tmp_path / "secrets" / f"{name}.key_secret"

@@ -258,15 +258,21 @@ def test_shutdown_answers_the_running_request_after_the_grace():
         peer.sock.close()
 
 
-def test_with_curve_a_robot_acts_as_itself(tmp_path: Path):
-    for folder, names in (("robots", ("amr-001", "amr-002")), ("operators", ("ops",)), ("server", ("testd",))):
+def curve_keys(tmp_path: Path, robots: tuple[str, ...]) -> dict:
+    """Keys for ``robots``, an operator ``ops`` and the daemon ``testd`` under ``tmp_path``
+    (secrets in ``secrets/``); the front's CURVE settings."""
+    for folder, names in (("robots", robots), ("operators", ("ops",)), ("server", ("testd",))):
         (tmp_path / folder).mkdir()
         for name in names:
             public, _ = create_keys(tmp_path / "secrets", name)
             shutil.copy(public, tmp_path / folder)
-    context = zmq.Context()  # one ZAP authenticator per context
-    keys = dict(curve_secret_key=str(tmp_path / "secrets" / "testd.key_secret"),
+    return dict(curve_secret_key=str(tmp_path / "secrets" / "testd.key_secret"),
                 curve_authorized_dir=str(tmp_path / "robots"), curve_operator_dir=str(tmp_path / "operators"))
+
+
+def test_with_curve_a_robot_acts_as_itself(tmp_path: Path):
+    keys = curve_keys(tmp_path, ("amr-001", "amr-002"))
+    context = zmq.Context()  # one ZAP authenticator per context
     with running(config(**keys), context) as lane:
         def peer(name: str) -> Peer:
             curve = ClientCurve.from_files(tmp_path / "server" / "testd.key", tmp_path / "secrets" / f"{name}.key_secret")
