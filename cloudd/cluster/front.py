@@ -15,6 +15,10 @@ stopped (the prompt and those tokens are recomputed there) and every token reach
 once. Ray restarts the dead replica after its health check. A request resumed more than
 ``resume_retries`` times fails ``unavailable``.
 
+Quotas charge a request's prompt tokens as ``cloudd serve``'s do: the front counts a chat
+prompt's tokens with the model's tokenizer (``count_prompt``) as it prepares the request (off its
+loop past ``PREPARE_HERE_BYTES``), the replicas tokenize it again for themselves.
+
 Fair admission: the front holds every robot's in-flight work. It lets at most
 ``dispatch_per_replica`` requests per running replica be in the replicas at once; the rest wait
 at the front in a queue per robot, and each freed slot goes to the waiting robot holding the
@@ -55,17 +59,31 @@ from shared.transport.request_front import FrontConfig, Lane, RequestFront
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0
+# A generate frame up to this size is counted on the front's loop (a millisecond of tokenizing at
+# most), larger ones on the preparing thread, as cloudd serve's engine lane does
+PREPARE_HERE_BYTES = 4096
 
 
-class ClusterFront(Lane[Generate]):
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """A request as the front prepared it: what the replicas get, and its prompt's tokens."""
+
+    msg: Generate
+    prompt_tokens: int
+
+
+class ClusterFront(Lane[Routed]):
     """``handle``: the replicas' Serve deployment handle; ``app_name``: its application (whose
     router this process holds). ``front``'s endpoints get an ``inproc`` one first (for the HTTP
     API's client in this process, as ``cloudd serve`` has). ``replicas``: how many run until the
-    router reports them; ``dispatch_per_replica``: see fair admission above."""
+    router reports them; ``dispatch_per_replica``: see fair admission above; ``count_prompt``:
+    a chat request's prompt tokens (the model's chat template and tokenizer; None: only
+    ``prompt_ids`` are counted)."""
 
     def __init__(self, handle, app_name: str, front: FrontConfig, resume_retries: int, model_name: str,
                  context: zmq.Context | None = None, *, replicas: int = ClusterConfig.replicas,
-                 dispatch_per_replica: int = ClusterConfig.dispatch_per_replica):
+                 dispatch_per_replica: int = ClusterConfig.dispatch_per_replica,
+                 count_prompt: Callable[[Generate], int] | None = None):
         if replicas < 1 or dispatch_per_replica < 1:
             raise ValueError("replicas >= 1, dispatch_per_replica >= 1")
         self.handle = handle
@@ -77,8 +95,10 @@ class ClusterFront(Lane[Generate]):
         self.fair: FairDispatch[Generate] = FairDispatch()  # the front's loop only
         self.resumed = 0  # requests sent again after their replica died
         self.inproc_endpoint = f"inproc://cluster-front-{id(self):x}"
-        self.front: RequestFront[Generate] = RequestFront(
-            self, dataclasses.replace(front, endpoints=(self.inproc_endpoint, *front.endpoints)), context)
+        self.count_prompt = count_prompt
+        self.front: RequestFront[Routed] = RequestFront(
+            self, dataclasses.replace(front, endpoints=(self.inproc_endpoint, *front.endpoints)), context,
+            prompt_tokens=lambda _msg, routed: routed.prompt_tokens)
         self.context = self.front.context
         self.endpoint = self.front.endpoints[1]
         self.local_curve: ClientCurve | None = self.front.curve.local_client() if self.front.curve else None
@@ -94,16 +114,19 @@ class ClusterFront(Lane[Generate]):
         return None  # each replica's own engine refuses what it cannot queue
 
     def prepares_here(self, size: int) -> bool:
-        return True
+        return self.count_prompt is None or size <= PREPARE_HERE_BYTES
 
-    def prepare(self, msg: Generate) -> Generate:
-        return msg  # the replica prepares it
+    def prepare(self, msg: Generate) -> Routed:
+        """Counted only: the replica prepares it."""
+        counted = msg.messages and self.count_prompt is not None
+        return Routed(msg, self.count_prompt(msg) if counted else len(msg.prompt_ids))
 
-    def start(self, pending: Admitting, prepared: Generate) -> None:
-        self.fair.add(prepared.request_id, prepared.robot_id, prepared.priority, prepared)
+    def start(self, pending: Admitting, prepared: Routed) -> None:
+        msg = prepared.msg
+        self.fair.add(msg.request_id, msg.robot_id, msg.priority, msg)
         self._dispatch_fairly()
 
-    def cancelled_before_start(self, request_id: str, prepared: Generate) -> Result:
+    def cancelled_before_start(self, request_id: str, prepared: Routed) -> Result:
         return Result(request_id, "", FinishReason.ABORT.value, Usage(0, 0), detail="cancelled")
 
     def cancel(self, request_id: str) -> None:
