@@ -100,6 +100,7 @@ curve_operator_dir = "{keys / 'operators'}"
 http_api_keys = "{self.root / 'api_keys.toml'}"
 http_timeout_s = {t.http_timeout_s}
 stall_after_s = 5.0
+frames_per_s = 0.0  # the fuzzer's million frames must reach the decoder, not be dropped unread by its sender's rate
 shutdown_grace_s = 5.0
 execution_log = "{self.cloudd_journal}"
 precompile = ["fleet-plan"]
