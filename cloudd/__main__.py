@@ -17,7 +17,8 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from cloudd.assembly import build_serving_engine, engine_config_from, engine_note, model_path_from  # noqa: E402
+from cloudd.assembly import (build_serving_engine, engine_config_from, engine_note, model_path_from,  # noqa: E402
+                             replica_args)
 from cloudd.trace import bundled_trace  # noqa: E402
 from kernels.kv_layout import LAYOUTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
@@ -124,7 +125,7 @@ def _cmd_cluster_bench(args) -> int:
         raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
-    opts = ClusterBenchOptions(args.trace, cluster, args.router, _replica_args(args), args.output_len, args.limit,
+    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), args.output_len, args.limit,
                                args.rate_scale, args.device_pool_frac)
     with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
         result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -188,17 +189,6 @@ def cmd_serve(args) -> int:
     return 0
 
 
-ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "time_kernels", "cuda_graphs", "kv_layout",
-               "block_size", "num_blocks", "max_num_seqs", "max_batched_tokens")
-
-
-def _replica_args(args) -> dict:
-    """What each cluster replica builds its engine from (``build_serving_engine``'s arguments):
-    this command's engine flags, the model resolved here, the fleet policy, no ports of its own."""
-    return {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": model_path_from(args), "zmq_port": 0, "http_port": 0,
-            "policy": "fleet"}
-
-
 def cmd_cluster_serve(args) -> int:
     """`cluster serve`: replicas on Ray Serve behind the fleet router (cloudd.cluster)."""
     import logging
@@ -213,8 +203,8 @@ def cmd_cluster_serve(args) -> int:
     overrides = {"replicas": args.replicas, "router": args.router}
     cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
     serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
-    replica_args = _replica_args(args)
-    return serve_cluster(cluster, replica_args, replica_args["model"],
+    replicas = replica_args(args)
+    return serve_cluster(cluster, replicas, replicas["model"],
                          {"zmq_port": args.zmq_port, "http_port": args.http_port}, serve)
 
 

@@ -142,3 +142,14 @@ def _response_formats(names: tuple[str, ...]) -> list[dict]:
         with open(name, encoding="utf-8") as f:
             formats.append(json.load(f))
     return formats
+
+
+ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "time_kernels", "cuda_graphs", "kv_layout",
+               "block_size", "num_blocks", "max_num_seqs", "max_batched_tokens")
+
+
+def replica_args(args) -> dict:
+    """What each cluster replica builds its engine from (``build_serving_engine``'s arguments):
+    this command's engine flags, the model resolved here, the fleet policy, no ports of its own."""
+    return {**{k: getattr(args, k) for k in ENGINE_ARGS}, "model": model_path_from(args), "zmq_port": 0, "http_port": 0,
+            "policy": "fleet"}

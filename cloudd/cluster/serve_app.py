@@ -28,14 +28,14 @@ def build(args: dict[str, str]):
     """The replicas' application for ``args["config"]`` (a cluster TOML; default
     ``configs/cluster.toml``), with the engine flags left to that file, as ``cloudd cluster
     serve --config`` runs them."""
-    from cloudd.__main__ import ENGINE_ARGS, _replica_args
+    from cloudd.assembly import ENGINE_ARGS, replica_args
 
     unknown = set(args) - {"config"}
     if unknown:
         raise ValueError(f"unknown application arguments {sorted(unknown)}: only 'config' (a cluster TOML)")
     config = Path(args.get("config") or DEFAULT_CONFIG)
     flags = argparse.Namespace(**{**{name: None for name in ENGINE_ARGS}, "config": config})
-    return application(load_section(config, "cluster", ClusterConfig), _replica_args(flags))
+    return application(load_section(config, "cluster", ClusterConfig), replica_args(flags))
 
 
 app = build({})
