@@ -14,12 +14,8 @@ from shared.daemon_process import DaemonProcess
 from shared.protocol.messages import ChatMessage, Chunk, Generate, Priority, Result, Sampling
 from shared.transport.client import FleetClient
 
-CONFIG = """
-[cluster]
-replicas = 2
-num_cpus_per_replica = 0.5
-health_check_period_s = 1.0
-ray_temp_dir = "{tmp}"
+# what every replica of these tests runs (the default model, small and eager)
+REPLICA_TABLES = """
 [engine]
 dtype = "float32"
 compile = false
@@ -28,7 +24,14 @@ num_blocks = 1024
 max_num_seqs = 4
 [serve]
 precompile = []
-[serve.priority_grants]
+"""
+CONFIG = """
+[cluster]
+replicas = 2
+num_cpus_per_replica = 0.5
+health_check_period_s = 1.0
+ray_temp_dir = "{tmp}"
+""" + REPLICA_TABLES + """[serve.priority_grants]
 s = ["safety", "interactive", "plan", "background"]  # the robot of the safety case
 """
 SYSTEM = ChatMessage("system", "You plan tasks for a warehouse robot. Answer with short numbered steps. " * 3)

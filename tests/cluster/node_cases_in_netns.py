@@ -24,7 +24,7 @@ import pytest
 from shared.daemon_process import DaemonProcess
 from shared.protocol.messages import Chunk, Generate, Result, Sampling
 from shared.transport.client import FleetClient
-from tests.cluster.cases_in_netns import task
+from tests.cluster.cases_in_netns import REPLICA_TABLES, task
 
 GCS_PORT = 6390  # the namespace has its own ports: nothing else listens there
 NODE_START_S = 120.0
@@ -38,15 +38,7 @@ address = "127.0.0.1:{port}"
 replicas = 2
 num_cpus_per_replica = 1.0
 health_check_period_s = 1.0
-[engine]
-dtype = "float32"
-compile = false
-num_blocks = 1024
-[scheduler]
-max_num_seqs = 4
-[serve]
-precompile = []
-"""
+""" + REPLICA_TABLES
 
 
 @dataclass
