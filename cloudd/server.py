@@ -34,7 +34,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary
 from shared.plan.answer import StructuredAnswer
 from shared.protocol.messages import MAX_PROMPT_IDS, Error, ErrorCode, Generate, Result, Source, Usage
-from shared.transport.curve import Caller, ClientCurve
+from shared.transport.curve import Caller, ClientCurve, check_server_keys
 from shared.transport.loopback import is_loopback
 from shared.transport.preparing import Admitting
 from shared.transport.priority_grants import PriorityGrants
@@ -109,10 +109,7 @@ class ServeConfig:
             raise ValueError("result_ttl_s > 0, max_waiting >= 1, shutdown_grace_s >= 0, idle_poll_ms >= 1")
         if self.http_timeout_s <= 0 or self.http_max_connections < 1 or self.stall_after_s <= 0:
             raise ValueError("http_timeout_s > 0, http_max_connections >= 1, stall_after_s > 0")
-        if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
-            raise ValueError("curve_secret_key and curve_authorized_dir go together")
-        if self.curve_operator_dir and not self.curve_secret_key:
-            raise ValueError("curve_operator_dir needs CURVE on (curve_secret_key, curve_authorized_dir)")
+        check_server_keys(self.curve_secret_key, self.curve_authorized_dir, self.curve_operator_dir)
         if not self.curve_secret_key and not is_loopback(self.zmq_host):
             raise ValueError(f"zmq_host {self.zmq_host!r} is not loopback: set curve_secret_key and "
                              "curve_authorized_dir, so that only the fleet's keys get in")

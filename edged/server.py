@@ -49,7 +49,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary, model_stats
 from shared.plan.answer import StructuredAnswer
 from shared.protocol.messages import Error, ErrorCode, Generate, Result, Source, Usage
-from shared.transport.curve import Caller
+from shared.transport.curve import Caller, check_server_keys
 from shared.transport.local_socket import (EDGED_ENDPOINT, expand_endpoint, guarded_by_files, make_private_dir,
                                            restrict_socket)
 from shared.transport.loopback import is_local_endpoint
@@ -94,10 +94,7 @@ class EdgeServeConfig:
         for ep in self.endpoints:
             if not is_local_endpoint(ep):
                 raise ValueError(f"endpoints: {ep!r} is not local (use ipc:// or tcp:// on loopback)")
-        if bool(self.curve_secret_key) != bool(self.curve_authorized_dir):
-            raise ValueError("curve_secret_key and curve_authorized_dir: give both (CURVE on) or neither")
-        if self.curve_operator_dir and not self.curve_secret_key:
-            raise ValueError("curve_operator_dir: needs curve_secret_key and curve_authorized_dir")
+        check_server_keys(self.curve_secret_key, self.curve_authorized_dir, self.curve_operator_dir)
         unguarded = [ep for ep in self.endpoints if not guarded_by_files(ep)]
         if unguarded and not self.curve_secret_key:
             raise ValueError(f"endpoints: {unguarded[0]!r} admits every local user: give curve_secret_key and "

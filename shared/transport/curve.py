@@ -37,6 +37,16 @@ OPERATOR = Caller()
 OPERATOR_KEY = Caller(operator_key=True)
 
 
+def check_server_keys(secret_key: str, authorized_dir: str, operator_dir: str) -> None:
+    """A daemon's ``[serve]`` CURVE settings (``curve_secret_key``, ``curve_authorized_dir``,
+    ``curve_operator_dir``; "" = unset) hold together: ValueError naming the keys that do not.
+    The first two turn CURVE on together; operator keys need it on."""
+    if bool(secret_key) != bool(authorized_dir):
+        raise ValueError("curve_secret_key and curve_authorized_dir: give both (CURVE on) or neither")
+    if operator_dir and not secret_key:
+        raise ValueError("curve_operator_dir: needs CURVE on (curve_secret_key and curve_authorized_dir)")
+
+
 @dataclass(frozen=True)
 class ClientCurve:
     """What a client needs: the server's public key and its own key pair (z85 bytes)."""
