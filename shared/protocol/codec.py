@@ -4,8 +4,9 @@
 without ``v``/``type``, another version, an unknown type, a missing, unknown or mistyped field,
 more than ``max_bytes``, or (given ``max_ids``) a list longer than a daemon serves. The error
 carries the ``ErrorCode`` to reply with and, when the bytes were readable that far, the request
-id, so a daemon answers every bad input with an ``error`` reply and never dies of it. Unknown fields are rejected rather than ignored: within
-one protocol version a typo must not pass silently. Nothing is ever pickled.
+id, so a daemon answers every bad input with an ``error`` reply and never dies of it. Unknown
+fields are rejected rather than ignored: within one protocol version a typo must not pass
+silently. Nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -55,12 +56,10 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, max_ids: int | None 
     max_items = -1 if max_ids is None else max(max_ids, MAX_MESSAGES, MAX_STOP_TOKEN_IDS)  # -1: msgpack's own
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=max_items)
-    except ValueError as e:
-        if "max_array_len" in str(e):
+    except Exception as e:  # msgpack raises a zoo of types for garbage; all mean the same, but a long list
+        if isinstance(e, ValueError) and "max_array_len" in str(e):
             raise ProtocolError(ErrorCode.TOO_LARGE, f"a list of more than {max_items} items: this daemon's "
                                 f"token ids are at most {max_ids}") from None
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, "not a msgpack message (ValueError)") from None
-    except Exception as e:  # msgpack raises a zoo of types for garbage; all mean the same
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a msgpack map")
