@@ -215,7 +215,7 @@ def _size_pools(opts: BenchOptions, ckpt: Checkpoint, requests: list[TraceReques
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     ws = working_set_tokens(prompts)
     if opts.device_pool_frac is not None:
-        tokens = pool_tokens(opts.device_pool_frac, prompts, opts.output_len)
+        tokens = pool_tokens(opts.device_pool_frac, ws, max(map(len, prompts)) + opts.output_len)
         config = dataclasses.replace(config, num_blocks=pool_blocks(tokens, config.block_size) + 1)
     if config.hicache.host_pool_mb == HiCacheConfig().host_pool_mb:  # not configured: size it from the trace
         per_token = 2 * ckpt.config.num_layers * ckpt.config.num_kv_heads * ckpt.config.head_dim * \

@@ -19,12 +19,13 @@ def working_set_tokens(prompts: Sequence[Sequence[int]]) -> int:
                for i, (p, q) in enumerate(zip(ordered, [[]] + ordered[:-1], strict=True)))
 
 
-def pool_tokens(frac: float, prompts: Sequence[Sequence[int]], output_len: int) -> float:
-    """``frac`` of the prompts' working set, never below the longest request (prompt plus
-    ``output_len``), which must fit a pool to run at all. ValueError unless 0 < frac <= 1."""
+def pool_tokens(frac: float, working_set: int, longest_request: int) -> float:
+    """``frac`` of a replay's ``working_set`` (``working_set_tokens``), never below its longest
+    request (prompt plus output), which must fit a pool to run at all. ValueError unless
+    0 < frac <= 1."""
     if not 0 < frac <= 1:
         raise ValueError(f"--device-pool-frac must be in (0, 1], got {frac}")
-    return max(frac * working_set_tokens(prompts), max(map(len, prompts)) + output_len)
+    return max(frac * working_set, longest_request)
 
 
 def pool_blocks(tokens: float, block_size: int) -> int:

@@ -102,12 +102,12 @@ def _size_pools(opts: ClusterBenchOptions, requests: list[TraceRequest], log: Lo
     tokenizer = load_tokenizer(opts.serve_args["model"])
     block_size = opts.serve_args.get("block_size") or EngineConfig().block_size
     prompts = [tokenizer.encode_chat(list(r.messages)) for r in requests]
-    output_len = max(r.max_tokens for r in requests)
-    blocks = pool_blocks(pool_tokens(opts.device_pool_frac, prompts, output_len), block_size)
+    ws = working_set_tokens(prompts)
+    longest = max(len(p) + r.max_tokens for p, r in zip(prompts, requests, strict=True))
+    blocks = pool_blocks(pool_tokens(opts.device_pool_frac, ws, longest), block_size)
     replicas = opts.cluster.replicas
     predicted = bounded_reuse(prompts, [r.robot for r in requests], replicas, opts.device_pool_frac, blocks,
                               block_size)
-    ws = working_set_tokens(prompts)
     log(f"working set {ws:,} tokens: {blocks:,} blocks of {block_size} per replica, {replicas * blocks:,} for the "
         f"combined-pool replica; the LRU replay predicts random {predicted.random:.3f}, pow2 {predicted.pow2:.3f}, "
         f"robot affinity {predicted.robot:.3f}, combined {predicted.combined:.3f}")
@@ -121,7 +121,8 @@ def _one_run(cluster: ClusterConfig, serve_args: dict, opts: ClusterBenchOptions
     log(f"{name}: starting")
     app_name = f"bench-{cluster.replicas}-{cluster.router}"  # NOTE: Ray keeps a process's router per application
     handle = deploy(cluster, serve_args, app_name)
-    front = ClusterFront(handle, app_name, BENCH_FRONT.front(), cluster.resume_retries, model_name="bench")
+    front = ClusterFront(handle, app_name, BENCH_FRONT.front(), cluster.resume_retries, model_name="bench",
+                         replicas=cluster.replicas, dispatch_per_replica=cluster.dispatch_per_replica)
     thread = threading.Thread(target=front.serve_forever, name="cluster-front", daemon=True)
     thread.start()
     try:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from cloudd.cluster.lru_replay import BoundedReuse, bounded_reuse
 from cloudd.trace import load_trace
-from cloudd.working_set import pool_blocks, pool_tokens
+from cloudd.working_set import pool_blocks, pool_tokens, working_set_tokens
 
 
 class PromptTrie:
@@ -111,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests = load_trace(args.trace, max(limits))
         prompts = [tokenizer.encode_chat(list(r.messages)) for r in requests]
         runs = {str(n): reuse_bounds(prompts[:n], args.replicas, args.seeds) for n in limits}
+        working_set, longest = working_set_tokens(prompts), max(map(len, prompts)) + args.output_len
         bounded = {str(f): bounded_reuse(prompts, [r.robot for r in requests], args.replicas, f,
-                                         pool_blocks(pool_tokens(f, prompts, args.output_len), args.block_size),
+                                         pool_blocks(pool_tokens(f, working_set, longest), args.block_size),
                                          args.block_size, args.seeds) for f in fracs}
     except (OSError, ValueError) as e:
         print(f"reuse_ceiling: {e}", file=sys.stderr)
