@@ -58,7 +58,10 @@ class _ReasonKeepingConnection(h11.Connection):
 
 class FleetH11Protocol(H11Protocol):
     """uvicorn's ``H11Protocol`` with a head deadline of ``config.timeout_keep_alive`` seconds
-    (set to ``[serve] http_timeout_s``) and one log line per bad connection."""
+    (set to ``[serve] http_timeout_s``) and one log line per bad connection.
+
+    The deadline is uvicorn's own keep-alive timer, armed at the connection's start too and no
+    longer disarmed by each byte: only by a whole head (``handle_events`` at ``h11.Request``)."""
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -66,25 +69,22 @@ class FleetH11Protocol(H11Protocol):
         self.conn = _ReasonKeepingConnection(h11.SERVER, MAX_HEAD_BYTES)
         self.logger = _WIRE_LOG
         self.access_log = False  # a line per request is not cloudd's (uvicorn turns it on when its logger has handlers)
-        self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_timer()
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_timer()
-        super().connection_lost(exc)
+    def data_received(self, data: bytes) -> None:
+        # NOTE: uvicorn's first disarms the timer: every byte would restart a trickled head's deadline
+        self.conn.receive_data(data)
+        self.handle_events()
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # a head is whole (or the connection is done)
-            self._disarm_head_timer()
-
-    def on_response_complete(self) -> None:
-        if not self.transport.is_closing():
-            self._arm_head_timer()  # the next request's head, if any, has its own deadline
-        super().on_response_complete()
+    def timeout_keep_alive_handler(self) -> None:
+        partial, _ = self.conn.trailing_data
+        if partial and not self.transport.is_closing():  # an idle keep-alive (nothing sent) closes without a line
+            log.info("HTTP connection from %s closed: no whole request head within %g s (%d bytes sent)",
+                     peer_name(self.client), self.timeout_keep_alive, len(partial))
+        super().timeout_keep_alive_handler()
 
     def send_400_response(self, msg: str) -> None:
         """Answer the request h11 refused, with its status and reason, and close."""
@@ -101,25 +101,6 @@ class FleetH11Protocol(H11Protocol):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:  # its response had begun (a broken chunked body): only the close is left
             pass
-        self.transport.close()
-
-    def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_overdue)
-
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_overdue(self) -> None:
-        self._head_timer = None
-        if self.transport.is_closing():
-            return
-        partial, _ = self.conn.trailing_data
-        if partial:  # an idle keep-alive (nothing sent) is closed as usual, without a line
-            log.info("HTTP connection from %s closed: no whole request head within %g s (%d bytes sent)",
-                     peer_name(self.client), self.timeout_keep_alive, len(partial))
         self.transport.close()
 
 
