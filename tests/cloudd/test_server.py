@@ -38,6 +38,7 @@ from shared.protocol.messages import (
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.router import MAX_FRAME_BYTES
 from tests.engine.tiny import greedy_reference, tiny_model
+from tests.serving_thread import serving_thread
 
 MODEL = tiny_model(tie_word_embeddings=False)
 PROMPT = (5, 9, 2, 77, 31, 8, 8, 1, 40)
@@ -48,14 +49,8 @@ def running_server(**serve) -> Iterator[CloudServer]:
     """A CloudServer with the tiny model in a thread; stopped (drained) on exit."""
     engine = Engine(MODEL, None, EngineConfig(block_size=4, num_blocks=512), policy=FleetPolicy())
     server = CloudServer(engine, ServeConfig(zmq_port=0, **serve), "tiny")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving_thread(server, join_timeout_s=10):
         yield server
-    finally:
-        server.stop()
-        thread.join(timeout=10)
-    assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import socket
 import stat
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ from shared.protocol.messages import ChatMessage, ErrorCode, Generate, Sampling
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve, create_keys
 from shared.transport.local_socket import EDGED_ENDPOINT
+from tests.serving_thread import serving_thread
 
 NOBODY = 65534
 
@@ -48,13 +48,10 @@ def serving(config: EdgeServeConfig) -> Iterator[EdgeServer]:
     context = zmq.Context()
     server = EdgeServer(IdleWorker(), compiler=None, policy=None, cloud=None, config=config, model=None,
                         context=context)
-    thread = threading.Thread(target=server.serve_forever, name="edged-under-test", daemon=True)
-    thread.start()
     try:
-        yield server
+        with serving_thread(server):
+            yield server
     finally:
-        server.stop()
-        thread.join(timeout=30)
         context.term()
 
 
