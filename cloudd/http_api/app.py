@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -116,8 +116,7 @@ class _Api:
             return _unauthorized()
         try:
             raw = await self._body(request)
-            client_request, include_usage = await asyncio.to_thread(self._parse, raw, chat)
-            core_request = replace(client_request, request_id=tenant.core_id(client_request.request_id))
+            client_request, core_request, include_usage = await asyncio.to_thread(self._parse, raw, chat, tenant)
         except _BodyError as e:
             return e.response
         except ClientLeft:
@@ -125,8 +124,6 @@ class _Api:
             return Response()
         except (BadRequest, BadRequestId) as e:
             return error_response(HTTPStatus.BAD_REQUEST, str(e), "invalid_request")
-        if self.ctx.api_keys is not None:
-            core_request = replace(core_request, robot_id=tenant.name)
         if not self.slots.take():
             return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"{self.slots.limit} requests are in progress on "
                                   "this API: retry", "overloaded", {"Retry-After": "1"})
@@ -197,11 +194,12 @@ class _Api:
             raise ClientLeft from None
         return bytes(body)
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[Generate, bool]:
-        """On a worker thread: the body as the client's ``Generate`` and its ``include_usage``."""
+    def _parse(self, raw: bytes, chat: bool, tenant: Tenant) -> tuple[Generate, Generate, bool]:
+        """On a worker thread: the body as the client's ``Generate``, as the core's (its
+        ``tenant``'s: ``Tenant.core_request``), and its ``include_usage``."""
         body: Any = decode_json(raw)
         request = generate_from_body(body, chat, self.ctx.tokenizer)
-        return request, include_usage_from_body(body, request.stream)
+        return request, tenant.core_request(request), include_usage_from_body(body, request.stream)
 
     def _health(self) -> str:
         try:

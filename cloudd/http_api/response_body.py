@@ -46,7 +46,11 @@ def protocol_error_response(error: Error, core_id: str, client_id: str) -> Respo
     rounded up) when a quota says when to retry, the core id in its text shown as the client's."""
     headers = {} if error.retry_after_ms is None else {"Retry-After": str(math.ceil(error.retry_after_ms / 1000))}
     return error_response(STATUS.get(error.code, HTTPStatus.INTERNAL_SERVER_ERROR),
-                          error.message.replace(core_id, client_id), error.code.value, headers)
+                          _client_message(error, core_id, client_id), error.code.value, headers)
+
+
+def _client_message(error: Error, core_id: str, client_id: str) -> str:
+    return error.message.replace(core_id, client_id)
 
 
 def completion_body(result: Result, client_id: str, chat: bool, model: str, created: int) -> dict:
@@ -96,6 +100,10 @@ class ChunkBodies:
         if result is not None and self.include_usage:
             bodies.append(self._body([], _usage(result)))
         return bodies
+
+    def error(self, error: Error, core_id: str) -> dict:
+        """The body of an error that ended the stream after its first chunk."""
+        return {"error": {"message": _client_message(error, core_id, self.client_id), "code": error.code.value}}
 
     def _choice(self, text: str, finish: str | None) -> dict:
         if not self.chat:

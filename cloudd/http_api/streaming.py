@@ -125,8 +125,7 @@ class EventStream(Response):
             for body in self.bodies.step([r for r in group if isinstance(r, Chunk)], result):
                 await _event(send, body)
             if isinstance(group[-1], Error):
-                message = group[-1].message.replace(self.call.request.request_id, self.bodies.client_id)
-                await _event(send, {"error": {"message": message, "code": group[-1].code.value}})
+                await _event(send, self.bodies.error(group[-1], self.call.request.request_id))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

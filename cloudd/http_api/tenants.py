@@ -17,9 +17,9 @@ an id in flight therefore only ever concern the tenant's own ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shared.protocol.messages import MAX_REQUEST_ID_CHARS
+from shared.protocol.messages import MAX_REQUEST_ID_CHARS, Generate
 
 NAMESPACE = "/http/"
 
@@ -43,13 +43,10 @@ class Tenant:
         """The longest client id that still fits the protocol's bound once prefixed."""
         return MAX_REQUEST_ID_CHARS - len(self.prefix)
 
-    def core_id(self, client_id: str) -> str:
-        """The id the core loop knows ``client_id`` by; BadRequestId if it does not fit."""
-        if not 0 < len(client_id) <= self.max_id_chars:
-            raise BadRequestId(f"request_id must be 1 to {self.max_id_chars} characters, got {len(client_id)}")
-        return self.prefix + client_id
-
-    def client_id(self, core_id: str) -> str:
-        """The client's own id of one of this tenant's core ids."""
-        assert core_id.startswith(self.prefix), (core_id, self.prefix)
-        return core_id[len(self.prefix):]
+    def core_request(self, request: Generate) -> Generate:
+        """The client's ``request`` as the core loop gets it: its id in this tenant's namespace
+        and, for an API key's tenant, served as the key (its ``robot_id``; a key's name is never
+        empty). BadRequestId if the id does not fit once prefixed."""
+        if len(request.request_id) > self.max_id_chars:
+            raise BadRequestId(f"request_id must be 1 to {self.max_id_chars} characters, got {len(request.request_id)}")
+        return replace(request, request_id=self.prefix + request.request_id, robot_id=self.name or request.robot_id)
