@@ -7,7 +7,8 @@ import pytest
 
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.grammar.limits import MAX_LENGTH_BOUND, MAX_REPETITION, json_depth, repetition_product
+from shared.engine.grammar.limits import (MAX_LENGTH_BOUND, MAX_NESTED_REPETITION, MAX_REPETITION, json_depth,
+                                          repetition_product, repetition_products)
 from shared.plan.schema import MAX_SKILLS
 from shared.engine.grammar.response_format import FLEET_SKILLS, grammar_spec
 from shared.engine.sampling_params import SamplingParams
@@ -27,6 +28,33 @@ from tests.engine.tiny import tiny_model
 ])
 def test_repetition_product_multiplies_counted_bounds_along_their_nesting(pattern, copies):
     assert repetition_product(pattern) == copies
+
+
+@pytest.mark.parametrize(("pattern", "nested"), [
+    (r"([a-z ]{0,30}){0,30}", 900),
+    (r"((a{2}){3}){4}", 24),
+    (r"\d{1,3}(\.\d{1,3}){3}", 9),
+    (r"[a-z ]{0,1000}", 1),  # flat: 0.07 s to compile
+    (r"a{3}b{4}(cd){5}", 1),  # side by side, none inside another
+    (r"([a-z ]?){0,200}", 1),  # a loop inside: 0.01 s to compile
+])
+def test_nested_repetition_product_counts_only_a_repetition_of_a_repetition(pattern, nested):
+    assert repetition_products(pattern)[1] == nested
+
+
+def test_a_nested_counted_repetition_is_refused_far_below_a_flat_one():
+    """issue 48: ``^([a-z ]{0,30}){0,30}$`` (900, under the flat bound) compiled for minutes."""
+    for response_format in (
+        {"type": "json_schema", "schema": {"type": "string", "pattern": "^([a-z ]{0,30}){0,30}$"}},
+        {"type": "regex", "regex": "([a-z ]{0,6}){0,6}"},
+        {"type": "ebnf", "ebnf": 'root ::= (("a" | "b" | " "){0,30}){0,30}'},
+        {"type": "ebnf", "ebnf": 'root ::= q{0,6}\nq ::= ("a"){0,6}'},  # through a reference
+    ):
+        with pytest.raises(ValueError, match=f"a counted repetition of a counted repetition makes [0-9]+ copies.* "
+                                             f"more than {MAX_NESTED_REPETITION}"):
+            grammar_spec(response_format)
+    assert grammar_spec({"type": "regex", "regex": "[a-z ]{0,1000}"}) is not None
+    assert grammar_spec({"type": "regex", "regex": "([a-z ]{0,4}){0,8}"}) is not None  # 32 copies: at the bound
 
 
 def test_json_depth_counts_objects_and_arrays_but_not_brackets_in_strings():

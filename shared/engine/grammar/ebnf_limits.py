@@ -8,6 +8,9 @@ Two shapes make that set grow with the output, and are refused here (``EbnfShape
   groups and through rule references (``r ::= q{0,30}`` with ``q ::= ("a"){0,30}`` is 900
   copies). Refused past ``MAX_REPETITION`` copies along any path, as a regex is
   (``limits.repetition_product``). A recursive reference counts 1 (a loop, not a copy).
+  A counted repetition of something that holds one is refused past the much lower nested
+  bound (``limits.MAX_NESTED_REPETITION``): each split of the text among the inner copies is
+  compiled, in time that grows with the square of their product.
 - **Adjacent recursion**: two references to rules recursive with the rule holding them, one
   directly after the other in a sequence (``s ::= s s | "a"``, ``s ::= "a" s s | ""``). The
   boundary between them can fall anywhere, so the ways to parse n tokens grow as the Catalan
@@ -72,7 +75,7 @@ class EbnfShape:
                 body.append(Token(kind, m.group(0)))
         return cls(rules)
 
-    def check(self, max_repetition: int) -> None:
+    def check(self, max_repetition: int, max_nested_repetition: int) -> None:
         """ValueError naming the first bound the grammar exceeds (see the module's docstring)."""
         reach = {name: self._reachable(name) for name in self.rules}
         for name, body in self.rules.items():
@@ -82,10 +85,15 @@ class EbnfShape:
                                  f"and {pair[1]!r} side by side: the split between them is ambiguous and "
                                  "each step's work would grow with the output")
         products: dict[str, int] = {}
+        nested: dict[str, int] = {}
         for name in self.rules:
-            if (copies := self._product(name, products)) > max_repetition:
+            if (copies := self._product(name, products, nested)) > max_repetition:
                 raise ValueError(f"response_format.ebnf: nested counted repetitions make {copies} copies in "
                                  f"rule {name!r}, more than {max_repetition}")
+        for name, copies in nested.items():
+            if copies > max_nested_repetition:
+                raise ValueError(f"response_format.ebnf: a counted repetition of a counted repetition makes "
+                                 f"{copies} copies in rule {name!r}, more than {max_nested_repetition}")
 
     def _reachable(self, name: str) -> set[str]:
         """The rules ``name`` references, directly or through others."""
@@ -98,9 +106,11 @@ class EbnfShape:
                     stack.append(token.text)
         return seen
 
-    def _product(self, name: str, products: dict[str, int]) -> int:
+    def _product(self, name: str, products: dict[str, int], nested: dict[str, int]) -> int:
         """The largest product of counted bounds along any path from rule ``name`` down
-        (memoized in ``products``; a rule being computed, i.e. recursion, counts 1)."""
+        (memoized in ``products``; a rule being computed, i.e. recursion, counts 1). Each rule
+        whose body repeats something that holds a counted repetition gets the largest such
+        product in ``nested``."""
         if name in products:
             return products[name]
         products[name] = 1
@@ -109,7 +119,7 @@ class EbnfShape:
         for token in self.rules.get(name, ()):
             last_before, last = last, 1
             if token.kind == "ref":
-                last = self._product(token.text, products) if token.text in self.rules else 1
+                last = self._product(token.text, products, nested) if token.text in self.rules else 1
                 inside[-1] = max(inside[-1], last)
             elif token.text == "(":
                 inside.append(1)
@@ -119,6 +129,8 @@ class EbnfShape:
             elif token.kind == "counted":
                 last = last_before * token.copies
                 inside[-1] = max(inside[-1], last)
+                if last_before > 1:
+                    nested[name] = max(nested.get(name, 1), last)
         products[name] = max(inside)
         return products[name]
 

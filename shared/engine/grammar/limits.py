@@ -12,14 +12,20 @@ ValueError naming the bound:
   (``(a{1,99}){1,99}`` is 9,801): each bound copies its pattern into the automaton, and a
   24-character nested repeat had made every step's mask fill take seconds. ``*``, ``+`` and
   ``?`` are loops, not copies, and count 1;
-- a JSON schema ``"pattern"`` whose counted repetitions exceed ``MAX_REPETITION`` the same
+- a regex whose *nested* counted repetitions (a counted repetition of something that holds
+  one) make more than ``MAX_NESTED_REPETITION`` copies: the copies of a variable-length inner
+  repetition can split a text in many ways, and xgrammar's compile time grows with the square
+  of the product (one thread: ``^([a-z ]{0,4}){0,4}$`` 0.2 s, ``{0,6}{0,6}`` 1.7 s,
+  ``{0,8}{0,8}`` 8.8 s, ``{0,10}{0,10}`` 22 s, ``{0,30}{0,30}`` many minutes), while a flat
+  ``[a-z ]{0,1000}`` compiles in 0.07 s;
+- a JSON schema ``"pattern"`` whose counted repetitions exceed either bound the same
   way (a 30-character nested pattern had taken 89 s to compile);
 - a JSON schema length keyword (``minLength``, ``maxLength``, ``minItems``, ``maxItems``,
   ``minProperties``, ``maxProperties``) above ``MAX_LENGTH_BOUND`` (4,096): each counted
   position is a state of the grammar, and no plan or robot answer needs more (a text longer
   than 4,096 characters is longer than any max_tokens the fleet asks for);
 - an EBNF grammar of more than ``ebnf_limits.MAX_EBNF_RULES`` rules, whose counted
-  repetitions exceed ``MAX_REPETITION`` along their nesting (through rule references too), or
+  repetitions exceed either bound along their nesting (through rule references too), or
   that puts two recursive rules side by side (``s ::= s s | "a"``: see
   ``shared.engine.grammar.ebnf_limits``);
 - a skills plan of more than ``shared.plan.schema.MAX_SKILLS`` skills, refused by the plan
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
 MAX_GRAMMAR_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 32
 MAX_REPETITION = 1_024
+MAX_NESTED_REPETITION = 32
 MAX_LENGTH_BOUND = 4_096
 LENGTH_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
@@ -62,12 +69,16 @@ def check_grammar_limits(spec: "GrammarSpec") -> None:
     if spec.kind == "json_schema":
         _check_schema_keywords(json.loads(spec.source))
     if spec.kind == "ebnf":
-        EbnfShape.of(spec.source).check(MAX_REPETITION)
+        EbnfShape.of(spec.source).check(MAX_REPETITION, MAX_NESTED_REPETITION)
 
 
 def _check_pattern(pattern: str, where: str) -> None:
-    if (copies := repetition_product(pattern)) > MAX_REPETITION:
+    copies, nested = repetition_products(pattern)
+    if copies > MAX_REPETITION:
         raise ValueError(f"{where}: nested counted repetitions make {copies} copies, more than {MAX_REPETITION}")
+    if nested > MAX_NESTED_REPETITION:
+        raise ValueError(f"{where}: a counted repetition of a counted repetition makes {nested} copies, more "
+                         f"than {MAX_NESTED_REPETITION} (each split of the text among them is compiled)")
 
 
 def _check_schema_keywords(schema: Any) -> None:
@@ -118,8 +129,16 @@ def json_depth(text: str) -> int:
 
 def repetition_product(pattern: str) -> int:
     """The largest product of counted-repetition bounds (``{n}``, ``{m,n}``; ``{m,}`` counts m)
-    along any path of nested groups in ``pattern``; 1 without any. One pass: each open group
-    keeps the largest product found inside it, which its own repetition multiplies on close."""
+    along any path of nested groups in ``pattern``; 1 without any."""
+    return repetition_products(pattern)[0]
+
+
+def repetition_products(pattern: str) -> tuple[int, int]:
+    """``repetition_product`` and the largest product of a counted repetition applied to a
+    group that holds one (``(a{3}){4}`` is 12; ``a{3}b{4}`` holds none: 1). One pass: each open
+    group keeps the largest product found inside it, which its own repetition multiplies on
+    close."""
+    nested = 1
     inside = [1]  # per open group (and the whole pattern): the largest product within it
     last = 1  # the product of the atom or group just read, for a repetition that follows it
     i = 0
@@ -142,7 +161,9 @@ def repetition_product(pattern: str) -> int:
             low, upper = int(m.group(1)), m.group(3)
             last = last_before * (int(upper) if upper else low)
             inside[-1] = max(inside[-1], last)
+            if last_before > 1:
+                nested = max(nested, last)
             i = m.end()
             continue
         i += 1
-    return max(inside)
+    return max(inside), nested
