@@ -94,7 +94,7 @@ def fuzz_http(port: int, token: str, requests: int, seed: int, timeout_s: float,
     kinds = malformed_requests(token, rng)
     for i in range(requests):
         kind, payload = kinds[i % len(kinds)]
-        status = _exchange(port, payload)
+        status = exchange(port, payload)
         counts.requests += 1
         counts.statuses[status] += 1
         counts.by_kind.setdefault(kind, Counter())[status] += 1
@@ -109,7 +109,7 @@ def fuzz_http(port: int, token: str, requests: int, seed: int, timeout_s: float,
     counts.slow_closed_by_server = sum(_let_go(conn) for conn in half)
     for conn in half + crowd:
         conn.close()
-    counts.answered_after_idle = _exchange(port, _request("GET", "/v1/models", token=token)) == "200"
+    counts.answered_after_idle = exchange(port, _request("GET", "/v1/models", token=token)) == "200"
     counts.seconds = time.monotonic() - began
     return counts
 
@@ -126,13 +126,14 @@ def _let_go(conn: socket.socket) -> bool:
     return True
 
 
-def _open(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=10)
+def _open(port: int, timeout_s: float = 10.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
 
 
-def _exchange(port: int, payload: bytes) -> str:
-    """Send ``payload`` on a fresh connection; the status code, or "closed" with no status line."""
-    with _open(port) as conn:
+def exchange(port: int, payload: bytes, timeout_s: float = 10.0) -> str:
+    """Send ``payload`` on a fresh connection; the status code, or "closed" with no status line
+    (none within ``timeout_s`` included). OSError if the connection cannot be opened."""
+    with _open(port, timeout_s) as conn:
         try:
             # NOTE: no half-close after it: the server takes a closed read side as the client gone
             conn.sendall(payload)

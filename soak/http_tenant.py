@@ -1,12 +1,13 @@
 """An HTTP tenant beside an HTTP attack: ``GET /v1/models`` with its API key every ``every_s``
-from its own thread; every answer that is not 200 (a 503 from a full connection cap, a closed
+from its own thread; every answer that is not 200 (a 503 from full request slots, a closed
 connection, no answer within ``timeout_s``) counts as refused."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections import Counter
+
+from soak.http_fuzz import exchange
 
 
 class HttpTenant:
@@ -33,10 +34,6 @@ class HttpTenant:
                    "Connection: close\r\n\r\n").encode()
         while not self._stop.wait(self.every_s):
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout_s) as conn:
-                    conn.sendall(request)
-                    line = conn.makefile("rb").readline(200)
-                parts = line.split()
-                self.statuses[parts[1].decode() if line.startswith(b"HTTP/") and len(parts) > 1 else "closed"] += 1
-            except OSError:
+                self.statuses[exchange(self.port, request, self.timeout_s)] += 1
+            except OSError:  # not even connected
                 self.statuses["no answer"] += 1
