@@ -118,6 +118,17 @@ class PlanClient:
                                       request_id, max_steps, tags, stream=True)
         return self._stream(prepared)
 
+    def check_plan(self, task: str, scene: Scene | Mapping[str, Any] | str | None = None,
+                   skills: Sequence[SkillLike] | None = None, schema: Mapping[str, Any] | None = None,
+                   priority: Priority | str = "plan", deadline_ms: int | None = None,
+                   escalation: Escalation | str = "auto", max_tokens: int | None = None,
+                   max_steps: int = DEFAULT_MAX_STEPS, tags: Sequence[str] = ()) -> None:
+        """Raise the ValueError/TypeError that ``plan`` and ``stream`` raise for these arguments
+        before sending (the same checks), and send nothing: for a caller that must refuse a bad
+        request before taking it on, as the ROS node's goal callback does."""
+        self._prepare_plan(task, scene, skills, schema, priority, deadline_ms, escalation, max_tokens, None,
+                           max_steps, tags, stream=False)
+
     def system_prompt(self, skills: Sequence[SkillLike] | None = None, schema: Mapping[str, Any] | None = None,
                       max_steps: int = DEFAULT_MAX_STEPS) -> str:
         """The system prompt ``plan`` sends for these skills (or schema): list it under

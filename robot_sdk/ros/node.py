@@ -234,11 +234,9 @@ class FleetServeNode(LifecycleNode):
 
     def _on_goal(self, goal: PlanAction.Goal) -> GoalResponse:
         """Accept a goal only if it can run: its fields checked (``plan_args``), then what the
-        client checks before sending (``PlanClient.stream`` checks its arguments when called and
-        sends on the first ``next()``, so the stream made here is closed unsent), then a slot."""
+        client checks before sending (``PlanClient.check_plan``), then a slot."""
         try:
-            args = plan_args(goal, self._defaults, self._skill_sets)
-            self._client.stream(**args.client_kwargs()).close()
+            self._client.check_plan(**plan_args(goal, self._defaults, self._skill_sets).client_kwargs())
         except (ValueError, TypeError) as e:
             return self._reject(goal, f"invalid goal: {e}")
         if not self._reserve():
