@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.transport.client import FleetClient
 from tests.engine.tiny import tiny_model
+from tests.serving_thread import serving_thread
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,10 @@ def serve_http(tokenizer, api_keys: ApiKeys | None = None, limits: HttpLimits = 
     model = tiny_model(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, num_blocks=256))
     server = CloudServer(engine, ServeConfig(zmq_port=0, http_port=0, **serve), "tiny")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    client = FleetClient(server.inproc_endpoint, context=server.context)
-    with serve_api(ApiContext(client, tokenizer, server.metrics, "tiny", api_keys), limits) as url:
-        try:
-            yield Served(url, server, client)
-        finally:
-            client.close()
-            server.stop()
-            thread.join(timeout=10)
+    with (serving_thread(server),
+          contextlib.closing(FleetClient(server.inproc_endpoint, context=server.context)) as client,
+          serve_api(ApiContext(client, tokenizer, server.metrics, "tiny", api_keys), limits) as url):
+        yield Served(url, server, client)
 
 
 @contextlib.contextmanager
