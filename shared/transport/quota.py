@@ -96,7 +96,9 @@ class RobotQuotas:
 class InFlight:
     """The requests each robot has in flight (admitted, not yet answered), at most ``limit``
     each (0: no limit): one robot's flood fills its own share of a daemon's queue, never the
-    whole of it, so the next robot is not turned away ``overloaded`` for another's requests."""
+    whole of it, so the next robot is not turned away ``overloaded`` for another's requests.
+    The counts are what a daemon's ledger and preparer hold, kept here so that admission does
+    not scan them per request; ``check_integrity`` compares."""
 
     def __init__(self, limit: int):
         if limit < 0:
@@ -121,3 +123,7 @@ class InFlight:
         self._counts[robot_id] -= 1
         if not self._counts[robot_id]:
             del self._counts[robot_id]
+
+    def check_integrity(self, held: Counter[str]) -> None:
+        """``held``: each robot's requests being prepared or running, counted where they are."""
+        assert self._counts == held, f"in flight {dict(self._counts)} but held {dict(held)}"

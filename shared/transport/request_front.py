@@ -39,6 +39,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -268,6 +269,13 @@ class RequestFront(Generic[P]):
         if (why := self.lane.degraded()) is not None:
             return f"degraded: {why}"
         return "ok"
+
+    def check_integrity(self) -> None:
+        """The loop's thread (or a test's, with the loop idle): every admitted request is being
+        prepared or running until it is answered (``in_flight``: admit once, release once)."""
+        held = Counter(e.robot_id for e in self.ledger.live.values())
+        held.update(p.msg.robot_id for p in self.preparer.pending.values())
+        self.in_flight.check_integrity(held)
 
     def _restore_results(self, journal: str) -> None:
         """The results kept in ``journal`` by the process before this one (a crash, a restart):

@@ -33,7 +33,7 @@ def test_prompt_tokens_spend_the_minute_s_quota():
 
 
 def test_one_robot_s_flood_is_capped_at_its_share_and_the_next_robot_gets_in():
-    with running(config(robot_max_in_flight=2)) as lane:
+    with running(config(robot_max_in_flight=2, shutdown_grace_s=0)) as lane:  # the two left running: cancelled
         peer = Peer(lane.front.endpoints[0])
         for i in range(2):
             peer.send(gen(f"a{i}", max_tokens=1_000, robot_id="amr-7"))  # run until cancelled
@@ -46,6 +46,7 @@ def test_one_robot_s_flood_is_capped_at_its_share_and_the_next_robot_gets_in():
         assert "2 requests" in reply.message
         peer.send(gen("b0", robot_id="amr-8"))
         assert isinstance(peer.until_end()[1], Result)
+        lane.front.check_integrity()  # amr-7's two running requests are its two in flight
         peer.sock.close()
 
 
@@ -60,6 +61,7 @@ def test_a_robot_s_share_is_given_back_as_its_requests_end():
         peer.send(gen("s3", robot_id="amr-7"))
         assert isinstance(peer.until_end()[1], Result)
         assert len(lane.front.in_flight) == 0
+        lane.front.check_integrity()
         peer.sock.close()
 
 

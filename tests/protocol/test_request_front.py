@@ -22,6 +22,7 @@ from shared.transport.curve import Caller, ClientCurve, create_keys
 from shared.transport.preparing import Admitting
 from shared.transport.quota import QuotaConfig
 from shared.transport.request_front import FrontConfig, Lane, Refused, RequestFront
+from tests.serving_thread import serving_thread
 
 BAD_TOKEN = 0  # a prompt holding it fails preparing (the request's fault)
 REFUSED_TOKEN = 1  # a prompt holding it is refused by the lane at start
@@ -91,15 +92,15 @@ class CountingLane(Lane[list[int]]):
 
 @contextlib.contextmanager
 def running(config: FrontConfig, context: zmq.Context | None = None) -> Iterator[CountingLane]:
+    """The lane's loop on a thread; once it has drained, no request is left counted in flight."""
     lane = CountingLane(config, context)
-    thread = threading.Thread(target=lane.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield lane
-    finally:
-        lane.hold.set()
-        lane.stop()
-        thread.join(timeout=10)
+    with serving_thread(lane, join_timeout_s=10):
+        try:
+            yield lane
+        finally:
+            lane.hold.set()
+    lane.front.check_integrity()
+    assert len(lane.front.in_flight) == 0
 
 
 class Peer:
