@@ -242,7 +242,7 @@ class CloudServer(Lane[CloudPrepared]):
             log.exception("engine step failed: failing every live request")
             self._fail_all("internal error in the engine")
             return
-        heaviest = self.engine.budget.heaviest
+        heaviest = self.engine.budget.take_heaviest()
         if heaviest is not None and heaviest.seconds > self.config.stall_after_s:
             self._slow_step = (heaviest, self.engine.clock() + DEGRADED_FOR_S)
         for delta in deltas:

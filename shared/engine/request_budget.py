@@ -91,3 +91,9 @@ class RequestBudget:
         if works:
             self.heaviest = max(works, key=lambda w: w.seconds)
         return [Overrun(w, self.budget_s) for w in works if w.seconds > self.budget_s]
+
+    def take_heaviest(self) -> HeavyWork | None:
+        """``heaviest``, once: None until a later step charges work (a step with nothing to
+        run charges none, and must not report the same request again)."""
+        heaviest, self.heaviest = self.heaviest, None
+        return heaviest

@@ -70,3 +70,14 @@ def test_a_request_over_its_step_budget_ends_alone_and_the_others_go_on(tokenize
         engine.step()
     assert [d.finish_reason for d in engine.drain(light)][-1] is FinishReason.LENGTH
     engine.close()
+
+
+def test_the_heaviest_work_is_taken_once_so_a_step_with_no_work_reports_nothing_again():
+    meter = WorkMeter()
+    meter.timer = itertools.count(0.0, 7.0).__next__
+    with meter.timing():
+        pass
+    budget = RequestBudget(0.5)
+    budget.over([("amr-001/x", [meter])])
+    assert budget.take_heaviest().request_id == "amr-001/x"
+    assert budget.take_heaviest() is None  # cloudd's health would name it again after each idle turn
