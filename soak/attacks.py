@@ -18,14 +18,16 @@ of them from one attacker with its own identity: its own CURVE key at cloudd's Z
 | ``http_slowloris`` | 7 | 256 HTTP connections, each sending one header byte every 3 s |
 | ``http_smuggling`` | 7 | duplicate ``Content-Length`` and chunked bodies hiding a second request, 5 a second |
 
-Frames are built as raw msgpack maps (not ``Generate``), so an attack the client library refuses
-today (stops past ``MAX_STOP_CHARS``) still reaches the daemon. Every ``generate`` carries a
+``generate`` frames are built as raw msgpack maps (not ``Generate``), so an attack the client
+library refuses today (stops past ``MAX_STOP_CHARS``) still reaches the daemon; cancels are
+ordinary ``Cancel`` messages. Every ``generate`` carries a
 deadline of ``ATTACK_DEADLINE_MS``; when the window ends the attacker cancels every request it
 sent and closes its sockets.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 import threading
@@ -38,8 +40,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from shared.protocol.codec import ProtocolError, decode
-from shared.protocol.messages import PROTOCOL_VERSION, Chunk, Error
+from shared.protocol.codec import ProtocolError, decode, encode
+from shared.protocol.messages import PROTOCOL_VERSION, Cancel, Chunk, Error
 from shared.transport.curve import ClientCurve
 from soak.probes import dealer
 
@@ -103,7 +105,7 @@ class ZmqAttacker:
 
     def close(self) -> None:
         for request_id in self.request_ids:
-            self.socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "cancel", "request_id": request_id}))
+            self.socket.send(encode(Cancel(request_id)))
         time.sleep(0.5)
         self.drain()
         self.socket.close(0)
@@ -142,10 +144,16 @@ def _schema(string_schema: dict) -> dict:
         "type": "object", "properties": {"note": {"type": "string", **string_schema}}, "required": ["note"]}}}
 
 
-def _big_frames(field_name: str) -> Callable[[ZmqAttacker], None]:
-    ids = [random.Random(7).randrange(VOCAB) for _ in range(1 << 17)]
+@functools.cache
+def _token_ids() -> list[int]:
+    """131,072 seeded token ids, drawn when a big-frame attack first sends (not at import)."""
+    rng = random.Random(7)
+    return [rng.randrange(VOCAB) for _ in range(1 << 17)]
 
+
+def _big_frames(field_name: str) -> Callable[[ZmqAttacker], None]:
     def send(a: ZmqAttacker) -> None:
+        ids = _token_ids()
         for _ in range(10):
             if field_name == "prompt_ids":
                 a.generate(messages=[], prompt_ids=ids, sampling={"max_tokens": 1})
