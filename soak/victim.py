@@ -18,6 +18,7 @@ or one that ended in an exception robot_sdk does not define, is *lost*.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -25,12 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from robot_sdk import PlanClient
-from robot_sdk.errors import InvalidPlan, PlanError
+from robot_sdk.errors import PlanError
 from robot_sdk.replies import PlanDone, PlanText
 from soak.plans import LATE_MARGIN_S, MAX_STEPS, SCENE, SKILLS, TASKS
 
 VICTIM_DEADLINE_MS = 30_000
 LOST_AFTER_S = LATE_MARGIN_S + 30.0  # past the deadline with no answer: lost (as soak.plans counts)
+SERVED = ("plan", "InvalidPlan")  # the answers that are not refusals (InvalidPlan: the model's own)
 
 
 @dataclass
@@ -39,10 +41,21 @@ class VictimWindow:
 
     gaps: list[float] = field(default_factory=list)  # between chunks, and the wait open at the window's end
     first_chunk_waits: list[float] = field(default_factory=list)  # from each plan's send to its first chunk
-    plans: int = 0  # plans sent
-    answers: Counter = field(default_factory=Counter)  # "plan", "InvalidPlan", a refusal's error name, "lost"
-    lost: int = 0
-    refused: int = 0
+    # one per plan sent: "plan", "InvalidPlan", a refusal's error name, or "lost[:<why>]"
+    answers: Counter = field(default_factory=Counter)
+
+    @property
+    def plans(self) -> int:
+        """Plans sent."""
+        return sum(self.answers.values())
+
+    @property
+    def lost(self) -> int:
+        return sum(n for answer, n in self.answers.items() if answer.startswith("lost"))
+
+    @property
+    def refused(self) -> int:
+        return self.plans - self.lost - sum(self.answers[answer] for answer in SERVED)
 
 
 class Victim:
@@ -66,15 +79,12 @@ class Victim:
                 last_event[0] = now
 
         def loop() -> None:
-            client = self.clients()
+            client, tasks = self.clients(), itertools.cycle(TASKS)
             try:
                 while not stop.is_set() and time.monotonic() < ends:
-                    answer = self._one_plan(client, TASKS[figures.plans % len(TASKS)], seen, last_event, lock)
+                    answer = self._one_plan(client, next(tasks), seen, last_event, lock)
                     with lock:
-                        figures.plans += 1
                         figures.answers[answer] += 1
-                        figures.lost += answer.startswith("lost")
-                        figures.refused += answer not in ("plan", "InvalidPlan") and not answer.startswith("lost")
             finally:
                 client.close()
 
@@ -89,8 +99,6 @@ class Victim:
         thread.join(VICTIM_DEADLINE_MS / 1000 + LOST_AFTER_S)
         if thread.is_alive():  # its plan in flight never got an answer
             with lock:
-                figures.plans += 1
-                figures.lost += 1
                 figures.answers["lost"] += 1
         return figures
 
@@ -111,9 +119,7 @@ class Victim:
                 elif isinstance(event, PlanDone):
                     return "plan"
             return "lost:stream ended without a plan"
-        except InvalidPlan:
-            return "InvalidPlan"
-        except PlanError as e:
+        except PlanError as e:  # InvalidPlan among them
             return type(e).__name__
         except Exception as e:  # noqa: BLE001 -- anything else is a lost request, reported by type
             return f"lost:{type(e).__name__}: {e}"
