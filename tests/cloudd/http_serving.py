@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cloudd.api_keys import ApiKeys
@@ -77,3 +78,10 @@ def raw_http(url: str, data: bytes) -> bytes:
 def post_head(length: str, path: str = "/v1/chat/completions", connection: str = "close") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\nConnection: {connection}\r\n\r\n").encode()
+
+
+def wait_until(condition: Callable[[], object], within_s: float) -> None:
+    """Return once ``condition()`` holds or ``within_s`` has passed (the caller asserts what it needs)."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -15,7 +15,7 @@ import pytest
 
 from cloudd.http_api import HttpLimits
 from shared.model.gguf_loader import build_tokenizer, read_gguf
-from tests.cloudd.http_serving import Served, address, post_head, raw_http, serve_http
+from tests.cloudd.http_serving import Served, address, post_head, raw_http, serve_http, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "Bring crate 17 to the dock."}], "max_tokens": 2,
         "temperature": 0, "ignore_eos": True}
@@ -130,7 +130,8 @@ def test_a_bad_or_aborted_connection_logs_one_line_and_no_traceback(http, bad, c
         bad(http)
         lines = _http_lines(caplog, wait_for=1)
         if bad is _left_mid_stream:  # its cancel has gone through: nothing more is coming
-            _wait(lambda: any(r["request_id"].endswith("leaves") for r in http.server.snapshot()["recent"]))
+            wait_until(lambda: any(r["request_id"].endswith("leaves") for r in http.server.snapshot()["recent"]),
+                       SETTLE_S)
         assert raw_http(http.url, MODELS).startswith(b"HTTP/1.1 200")
         lines = _http_lines(caplog)
     assert len(lines) == 1, [r.getMessage() for r in lines]
@@ -142,11 +143,7 @@ def _http_lines(caplog, wait_for: int = 0) -> list[logging.LogRecord]:
     """The HTTP server's log records (cloudd's HTTP modules and uvicorn's)."""
     def lines():
         return [r for r in caplog.records if r.name.startswith(("cloudd.http_api", "uvicorn")) and r.levelno >= logging.INFO]
-    _wait(lambda: len(lines()) >= wait_for)
+    wait_until(lambda: len(lines()) >= wait_for, SETTLE_S)
     return lines()
 
 
-def _wait(condition) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from cloudd.api_keys import ApiKeys, make_key
 from cloudd.http_api.response_body import protocol_error_response
 from shared.model.gguf_loader import build_tokenizer, read_gguf
 from shared.protocol.messages import Error, ErrorCode, Generate, Sampling
-from tests.cloudd.http_serving import Served, address, post_head, serve_http
+from tests.cloudd.http_serving import Served, address, post_head, serve_http, wait_until
 
 MESSAGES = [{"role": "user", "content": "Bring crate 17 to the dock."}]
 LONG = {"messages": MESSAGES, "max_tokens": 1_500, "temperature": 0, "ignore_eos": True}
@@ -82,10 +81,6 @@ def _ended(http: Served, client_id: str) -> list[dict]:
     return [r for r in http.server.snapshot()["recent"] if r["request_id"].endswith(client_id)]
 
 
-def _wait(condition) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def test_a_non_stream_request_whose_client_leaves_is_cancelled(http, keys):
@@ -94,10 +89,10 @@ def test_a_non_stream_request_whose_client_leaves_is_cancelled(http, keys):
     head = post_head(str(len(body))).replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {keys['dock']}\r\n\r\n".encode())
     conn = socket.create_connection(address(http.url), timeout=30)
     conn.sendall(head + body)
-    _wait(lambda: _live(http, "walks-away"))
+    wait_until(lambda: _live(http, "walks-away"), SETTLE_S)
     assert _live(http, "walks-away")
     conn.close()
-    _wait(lambda: _ended(http, "walks-away"))
+    wait_until(lambda: _ended(http, "walks-away"), SETTLE_S)
     (row,) = _ended(http, "walks-away")
     assert row["finish_reason"] == "abort" and row["output_tokens"] < LONG["max_tokens"]
 
