@@ -26,7 +26,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from cloudd.http_api.response_body import json_response
+from cloudd.http_api.response_body import error_response
 
 log = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers past this are a 431 (h11's bound)
@@ -92,8 +92,7 @@ class FleetH11Protocol(H11Protocol):
         reason = str(error) if error is not None else msg
         status = error.error_status_hint if error is not None else 400
         log.info("HTTP %d to %s: %s", status, peer_name(self.client), reason)
-        response = json_response(status, {"error": {"message": f"bad HTTP request: {reason}",
-                                                    "type": "invalid_request", "code": "invalid_request"}})
+        response = error_response(status, f"bad HTTP request: {reason}", "invalid_request")
         headers = [(k.encode(), v.encode()) for k, v in response.headers.items()] + [(b"connection", b"close")]
         try:
             for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=response.body),
