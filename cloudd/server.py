@@ -194,7 +194,7 @@ class CloudServer(Lane[CloudPrepared]):
 
     def prepare(self, msg: Generate) -> CloudPrepared:
         params = SamplingParams.from_wire(msg.sampling)
-        prompt = [{"role": m.role, "content": m.content} for m in msg.messages] or list(msg.prompt_ids)
+        prompt = [m.as_dict() for m in msg.messages] or list(msg.prompt_ids)
         return CloudPrepared(self.engine.prepare(prompt, msg.response_format), params)
 
     def start(self, pending: Admitting, prepared: CloudPrepared) -> None:

@@ -218,7 +218,7 @@ class EdgeServer(Lane[Prepared]):
 
     def prepare(self, msg: Generate) -> Prepared:
         """The preparing thread: ValueError for a request that cannot be served."""
-        prompt = (self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+        prompt = (self.tokenizer.encode_chat([m.as_dict() for m in msg.messages])
                   if msg.messages else list(msg.prompt_ids))
         spec = grammar_spec(msg.response_format)
         params = SamplingParams.from_wire(msg.sampling)

@@ -78,8 +78,7 @@ def serve_cluster(cluster: ClusterConfig, serve_args: dict, model_path, ports: d
         front = ClusterFront(handle, APP_NAME, dataclasses.replace(serve_config.front(), daemon="cloudd cluster"),
                              cluster.resume_retries, model_name=model_path.stem, replicas=cluster.replicas,
                              dispatch_per_replica=cluster.dispatch_per_replica,
-                             count_prompt=lambda msg: len(tokenizer.encode_chat(
-                                 [{"role": m.role, "content": m.content} for m in msg.messages])))
+                             count_prompt=lambda msg: len(tokenizer.encode_chat([m.as_dict() for m in msg.messages])))
         http = start_http_api(serve_config, front, tokenizer, ServerMetrics(serve_config.max_robot_labels),
                               model_path.stem)
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -102,6 +102,10 @@ class ChatMessage:
     role: str
     content: str
 
+    def as_dict(self) -> dict[str, str]:
+        """The message as chat templates and OpenAI's API take it."""
+        return {"role": self.role, "content": self.content}
+
 
 @dataclass(frozen=True)
 class Sampling:

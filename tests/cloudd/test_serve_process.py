@@ -132,12 +132,12 @@ def test_the_openai_client_gets_completions_and_streams(daemon):
     api = openai.OpenAI(base_url=daemon.fields["http"] + "/v1", api_key="unused", max_retries=0)
     model = api.models.list().data[0].id
     chat = api.chat.completions.create(
-        model=model, messages=[{"role": m.role, "content": m.content} for m in TASK], max_tokens=16, temperature=0,
+        model=model, messages=[m.as_dict() for m in TASK], max_tokens=16, temperature=0,
         extra_body={"priority": "interactive", "robot_id": "amr-3"},
     )
     assert chat.choices[0].message.content and chat.usage.completion_tokens <= 16
     stream = api.chat.completions.create(
-        model=model, messages=[{"role": m.role, "content": m.content} for m in TASK], max_tokens=16, temperature=0,
+        model=model, messages=[m.as_dict() for m in TASK], max_tokens=16, temperature=0,
         stream=True,
     )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
@@ -164,7 +164,7 @@ def test_structured_output_over_both_surfaces(daemon, client):
     assert info.value.code is ErrorCode.INVALID_REQUEST and "regex" in str(info.value)
     openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=daemon.fields["http"] + "/v1", api_key="unused", max_retries=0)
-    chat = api.chat.completions.create(model="any", messages=[{"role": m.role, "content": m.content} for m in TASK],
+    chat = api.chat.completions.create(model="any", messages=[m.as_dict() for m in TASK],
                                        max_tokens=40, temperature=0, response_format=rf)
     assert json.loads(chat.choices[0].message.content) == plan  # greedy: the same plan
     assert client.stats()["grammar"]["cache_hits"] >= 1
