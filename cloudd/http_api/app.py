@@ -139,7 +139,7 @@ class _Api:
         model = self.ctx.model_name
         if core_request.stream:
             bodies = ChunkBodies(client_request.request_id, chat, model, _now(), include_usage)
-            return EventStream(call, bodies, self.eos_token_ids, lambda: self._cancel(call), self.slots.give)
+            return EventStream(call, bodies, self.eos_token_ids, self.slots.give)
         try:
             return await self._complete(request, call, client_request.request_id, chat)
         finally:
@@ -149,16 +149,12 @@ class _Api:
         try:
             outcome = await until_disconnect(request.receive, call.outcome())
         except ClientLeft:
-            self._cancel(call)
+            call.cancel()
             log.info("HTTP client %s left before its answer: cancelled %s", _peer(request), call.request.request_id)
             return Response()
         if isinstance(outcome, Error):
             return protocol_error_response(outcome, call.request.request_id, client_id)
         return json_response(HTTPStatus.OK, completion_body(outcome, client_id, chat, self.ctx.model_name, _now()))
-
-    def _cancel(self, call: AsyncCall) -> None:
-        if not call.ended:
-            self.ctx.client.cancel_nowait(call.request.request_id)
 
     # --- plumbing ---
 

@@ -22,6 +22,7 @@ class AsyncCall:
     def __init__(self, client: FleetClient, request: Generate, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._wake = asyncio.Event()
+        self._client = client
         self.request = request
         self.call = client.start(request, notify=self._notify)
 
@@ -36,6 +37,11 @@ class AsyncCall:
     def ended(self) -> bool:
         """Whether the call's result or error has come (read or not)."""
         return self.call.done.is_set()
+
+    def cancel(self) -> None:
+        """Cancel the request unless it has ended (sent without waiting for the answer)."""
+        if not self.ended:
+            self._client.cancel_nowait(self.request.request_id)
 
     async def ready(self) -> list[Reply]:
         """Every reply queued now, after waiting for at least one; it ends with the result or

@@ -86,8 +86,7 @@ class EventStream(Response):
     HTTP status. The client leaving or stopping reading cancels the request. ``on_end`` runs
     once the stream has ended, however it ended."""
 
-    def __init__(self, call: AsyncCall, bodies: ChunkBodies, eos_token_ids: frozenset[int], cancel: Callable[[], None],
-                 on_end: Callable[[], None]):
+    def __init__(self, call: AsyncCall, bodies: ChunkBodies, eos_token_ids: frozenset[int], on_end: Callable[[], None]):
         # NOTE: Response.__init__ is not called: its empty body would declare Content-Length: 0
         self.status_code = 200
         self.media_type = "text/event-stream"
@@ -96,15 +95,13 @@ class EventStream(Response):
         self.call = call
         self.bodies = bodies
         self.eos_token_ids = eos_token_ids
-        self.cancel = cancel
         self.on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await until_disconnect(receive, self._stream(scope, receive, send))
         except (ClientLeft, ClientStalled) as e:
-            if not self.call.ended:
-                self.cancel()
+            self.call.cancel()
             # NOTE: not raised on: uvicorn closes a connection whose answer was left unfinished
             log.info("HTTP client %s %s mid-stream: cancelled %s", _peer(scope),
                      "stopped reading" if isinstance(e, ClientStalled) else "left", self.call.request.request_id)
