@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -33,7 +33,7 @@ from shared.engine.request_budget import HeavyWork
 from shared.engine.sampling_params import SamplingParams
 from shared.model.summary import ModelSummary
 from shared.plan.answer import StructuredAnswer
-from shared.protocol.messages import MAX_PROMPT_IDS, Error, ErrorCode, Generate, Result, Source, Usage
+from shared.protocol.messages import MAX_PROMPT_IDS, Error, ErrorCode, Generate, Priority, Result, Source, Usage
 from shared.transport.curve import Caller, ClientCurve, check_server_keys
 from shared.transport.loopback import is_loopback
 from shared.transport.preparing import Admitting
@@ -120,6 +120,13 @@ class ServeConfig:
         if not is_loopback(self.http_host) and not self.http_api_keys:
             raise ValueError(f"http_host {self.http_host!r} is not loopback: set http_api_keys, so that only "
                              "holders of the fleet's API keys get in")
+
+    def admitting_all(self) -> ServeConfig:
+        """These settings with admission left to whoever sends: no per-robot or per-sender limits
+        and every priority class for everyone. For a front whose sender already decided: a
+        cluster replica behind the cluster's front, a bench replaying a whole fleet."""
+        return replace(self, robot_requests_per_s=0.0, robot_tokens_per_min=0.0, robot_max_in_flight=0,
+                       frames_per_s=0.0, priorities=tuple(p.value for p in Priority), priority_grants={})
 
     def priority_classes(self) -> PriorityGrants:
         return PriorityGrants.from_config(self.priorities, self.priority_grants)

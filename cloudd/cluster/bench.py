@@ -32,13 +32,11 @@ from cloudd.trace import TraceRequest
 from cloudd.working_set import pool_blocks, pool_tokens, working_set_tokens
 from shared.engine.engine_config import EngineConfig
 from shared.model.checkpoint import load_tokenizer
-from shared.protocol.messages import Priority
 
 
 # The replay is one operator's client sending a whole fleet's requests: no per-robot or per-sender
 # limits, and every class (the traces' urgent requests are safety), so the routers alone differ.
-BENCH_FRONT = ServeConfig(zmq_port=0, robot_requests_per_s=0, robot_tokens_per_min=0, robot_max_in_flight=0,
-                          frames_per_s=0, priorities=tuple(p.value for p in Priority))
+BENCH_FRONT = ServeConfig(zmq_port=0).admitting_all()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator  # noqa: E402
 from cloudd.assembly import build_serving_engine  # noqa: E402
 from cloudd.cluster.routing import RouteHint  # noqa: E402
 from shared.protocol.codec import decode, encode  # noqa: E402
-from shared.protocol.messages import Error, ErrorCode, Generate, Priority, Result  # noqa: E402
+from shared.protocol.messages import Error, ErrorCode, Generate, Result  # noqa: E402
 
 log = logging.getLogger(__name__)
 REPLY_WAIT_S = 600.0  # a stream silent this long is presumed stuck (a step takes well under a second)
@@ -48,10 +48,8 @@ class EngineReplica:
         # NOTE: the front owns the robots' connections (CURVE, quotas, priority grants, a robot's
         # share in flight, the ledger that resumes); a replica serves only the front, over inproc,
         # and admits whatever the front sent
-        internal = dataclasses.replace(serving.serve, zmq_host="127.0.0.1", zmq_port=0, curve_secret_key="",
-                                       curve_authorized_dir="", curve_operator_dir="", robot_requests_per_s=0.0,
-                                       robot_tokens_per_min=0.0, frames_per_s=0.0, robot_max_in_flight=0,
-                                       priorities=tuple(p.value for p in Priority), priority_grants={},
+        internal = dataclasses.replace(serving.serve.admitting_all(), zmq_host="127.0.0.1", zmq_port=0,
+                                       curve_secret_key="", curve_authorized_dir="", curve_operator_dir="",
                                        execution_log="")
         respond_between_steps()
         self.engine = serving.engine

@@ -46,3 +46,14 @@ def test_secret_keys_are_private_to_their_owner(tmp_path):
     public, secret = create_keys(tmp_path, "amr-001")
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert public.exists()
+
+
+def test_admitting_all_leaves_admission_to_the_sender_and_keeps_the_rest():
+    """A cluster replica (behind the front that checked) and the cluster bench's front."""
+    from shared.protocol.messages import Priority
+
+    serve = ServeConfig(zmq_port=0, max_waiting=100, robot_max_in_flight=10)
+    front = serve.admitting_all().front()
+    assert not front.robot_quota.enabled and not front.frame_quota.enabled and front.robot_max_in_flight == 0
+    assert all(front.priority_grants.allows("anyone", p) for p in Priority)
+    assert serve.admitting_all().max_waiting == 100 and serve.front().robot_quota.enabled  # the original unchanged
