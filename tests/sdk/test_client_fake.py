@@ -239,6 +239,11 @@ def test_bad_arguments_are_refused_before_anything_is_sent():
             client.plan("go", skills=SKILLS, max_tokens=0)
         with pytest.raises(ValueError, match=r"messages\[1\]"):
             client.chat([{"role": "user", "content": "hi"}, {"role": "user"}])
+        with pytest.raises(ValueError, match="priority: 'urgent' is not one of"):
+            client.check_plan("go", skills=SKILLS, priority="urgent")  # the same checks, nothing sent
+        with pytest.raises(ValueError, match="max_tokens"):
+            client.check_plan("go", skills=SKILLS, max_tokens=0)
+        assert client.check_plan("go", skills=SKILLS) is None
     assert daemon.generates() == []
 
 
