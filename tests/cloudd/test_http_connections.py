@@ -14,18 +14,12 @@ from collections.abc import Iterator
 import pytest
 
 from cloudd.http_api import HttpLimits
-from shared.model.gguf_loader import build_tokenizer, read_gguf
 from tests.cloudd.http_serving import Served, address, post_head, raw_http, serve_http, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "Bring crate 17 to the dock."}], "max_tokens": 2,
         "temperature": 0, "ignore_eos": True}
 MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 SETTLE_S = 60.0  # the most a test waits for something that must happen (no timing is asserted)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return build_tokenizer(read_gguf(default_model_path)[0])
 
 
 @pytest.fixture(scope="module")

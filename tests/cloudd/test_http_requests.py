@@ -14,18 +14,12 @@ import pytest
 
 from cloudd.api_keys import ApiKeys, make_key
 from cloudd.http_api.response_body import protocol_error_response
-from shared.model.gguf_loader import build_tokenizer, read_gguf
 from shared.protocol.messages import Error, ErrorCode, Generate, Sampling
 from tests.cloudd.http_serving import Served, address, post_head, serve_http, wait_until
 
 MESSAGES = [{"role": "user", "content": "Bring crate 17 to the dock."}]
 LONG = {"messages": MESSAGES, "max_tokens": 1_500, "temperature": 0, "ignore_eos": True}
 SETTLE_S = 120.0  # the most a test waits for something that must happen (no timing is asserted)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return build_tokenizer(read_gguf(default_model_path)[0])
 
 
 @pytest.fixture(scope="module")
