@@ -141,3 +141,27 @@ def test_finished_after_a_stop_token(compiler, tokenizer):
     assert state.accept(tokenizer.encode("yes")[0]) and not state.finished
     assert torch.equal(allowed_mask(state).nonzero().flatten(), torch.tensor(sorted(tokenizer.eos_token_ids)))
     assert state.accept(2) and state.finished and not state.accept(0)
+
+
+def test_a_fast_batch_charges_each_row_a_share_and_a_slow_one_each_row_its_own_fill(compiler, monkeypatch):
+    """The batched fill is timed as a whole; past METER_ROWS_PAST_S each row is filled again
+    alone, so that one slow grammar is charged its own time and not its neighbours'."""
+    from shared.engine.grammar.matcher import METER_ROWS_PAST_S
+    from shared.engine.request_budget import WorkMeter
+
+    compiled = compiler.compile(GrammarSpec("regex", MOVE_REGEX))
+    slow, quick = GrammarState(compiled), GrammarState(compiled)
+    masks = MaskBatch(MODEL_VOCAB)
+    ticks = iter([0.0, METER_ROWS_PAST_S])  # the batch: at the threshold
+    monkeypatch.setattr(WorkMeter, "timer", staticmethod(lambda: next(ticks)))
+    masks.apply(torch.zeros(2, MODEL_VOCAB), [0, 1], [slow, quick])
+    assert slow.work.take() == quick.work.take() == pytest.approx(METER_ROWS_PAST_S / 2)
+
+    ticks = iter([0.0, 1.0])  # the batch: 1 s; then each row alone, by its own meter's timer
+    slow.work.timer = iter([1.0, 1.9]).__next__
+    quick.work.timer = iter([1.9, 1.901]).__next__
+    logits = torch.zeros(2, MODEL_VOCAB)
+    masks.apply(logits, [0, 1], [slow, quick])
+    assert slow.work.take() == pytest.approx(0.9) and quick.work.take() == pytest.approx(0.001)
+    slow.work.timer = lambda: 0.0
+    assert torch.equal(logits[0] == float("-inf"), ~allowed_mask(slow))  # the masks as filled in one batch
