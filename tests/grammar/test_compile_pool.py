@@ -86,3 +86,17 @@ def test_the_limit_counts_the_workers_cpu_time_not_its_wait_for_the_cores():
             worker.process.kill()
             worker.process.wait()
             worker.process.stdout.close()
+
+
+def test_workers_start_only_when_a_compile_finds_none_free(tokenizer):
+    """An engine's compiler costs no process until it compiles, and one at a time needs one."""
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, compile_threads=1, workers=2, timeout_s=600)
+    try:
+        assert len(compiler._pool._all) == 0
+        compiler.compile(DIGITS)
+        compiler.compile(GrammarSpec("regex", "[a-z]{1,3}"))
+        assert len(compiler._pool._all) == 1
+    finally:
+        compiler.close()
+    with pytest.raises(ValueError, match="closed"):
+        compiler._pool.compile(GrammarSpec("regex", "[a-z]{1,4}"))

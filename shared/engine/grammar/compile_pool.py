@@ -13,8 +13,10 @@ time, so a runaway holds one worker and the others go on compiling meanwhile.
 
 The compiled grammar comes back as xgrammar's ``CompiledGrammar.serialize_json()`` and is
 rebuilt here with ``deserialize_json`` against the same ``TokenizerInfo`` (xgrammar checks that
-the tokenizer matches). A worker's start (importing xgrammar: seconds) is not counted against
-the limit: a compile waits for its worker to be ready, then the clock starts.
+the tokenizer matches). A worker's start (importing xgrammar: seconds, about 300 MB) is not
+counted against the limit: a compile waits for its worker to be ready, then the clock starts.
+Workers start when a compile finds none free (an engine that compiles one grammar at a time
+runs one), up to ``workers``; a killed one is replaced by the next compile that needs it.
 """
 
 from __future__ import annotations
@@ -111,18 +113,19 @@ class CompilePool:
         self._setup = {"tokenizer_info": tokenizer_info.serialize_json(), "threads": compile_threads}
         self._lock = threading.Lock()
         self._closed = False
+        self._workers = workers
         self._all: set[_Worker] = set()
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         # NOTE: a pool dropped without close (an engine a test let go) still kills its workers
         self._finalizer = weakref.finalize(self, _kill_all, self._all, self._lock)
-        for _ in range(workers):
-            self._idle.put(self._start())
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """``spec`` compiled by a free worker; ValueError naming the problem: xgrammar's
         rejection, ``CompileTimeout`` past ``timeout_s`` (the worker killed and replaced), a
         worker that died, or the pool closed."""
-        worker = self._idle.get()
+        worker = self._free_worker()
+        if worker is None:
+            raise ValueError(f"cannot compile {spec.kind.replace('_', ' ')}: the grammar compiler is closed")
         try:
             reply = self._ask(worker, spec)
         except BaseException:
@@ -158,21 +161,31 @@ class CompilePool:
                                  "time to compile (grammar_compile_timeout_s): simplify it")
         return reply
 
+    def _free_worker(self) -> _Worker | None:
+        """An idle worker, a new one while fewer than ``workers`` run, else the next freed (or
+        started in place of a killed one); None once the pool is closed."""
+        while not self._closed:
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                pass
+            with self._lock:
+                if len(self._all) < self._workers and not self._closed:
+                    worker = _Worker(subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
+                                                      stdout=subprocess.PIPE))
+                    self._all.add(worker)
+                    return worker
+            try:
+                return self._idle.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
     def _replace(self, worker: _Worker) -> None:
-        """Kill ``worker`` and put a fresh one in its place (none once closed)."""
+        """Kill ``worker``; the next compile that finds no free worker starts one in its place."""
         with self._lock:
             self._all.discard(worker)
         _kill(worker)
-        if not self._closed:
-            self._idle.put(self._start())
-
-    def _start(self) -> _Worker:
-        process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE)
-        worker = _Worker(process)
-        with self._lock:
-            self._all.add(worker)
-        return worker
 
 
 def _kill_all(workers: set[_Worker], lock: threading.Lock) -> None:
