@@ -8,7 +8,7 @@ of them from one attacker with its own identity: its own CURVE key at cloudd's Z
 | ``ebnf_nested_repeats`` | 1 | EBNF of nested ``{0,30}`` repeats, one every 2 s |
 | ``schema_nested_pattern`` | 1 | the same nested repeats as a json_schema ``pattern``, one every 2 s |
 | ``schema_max_length`` | 1 | a json_schema string of ``maxLength`` 1e6, one every 2 s |
-| ``schema_slow_compile`` | 2 | one schema whose ``pattern`` takes xgrammar minutes to compile (today) |
+| ``schema_slow_compile`` | 2 | one schema whose ``pattern`` (nested counted repeats) xgrammar would compile for minutes |
 | ``big_prompt_frames`` | 3 | ten frames of 131,072 ``prompt_ids``, again every 4 s |
 | ``big_resume_frames`` | 3 | ten frames of 131,072 ``resume_token_ids``, again every 4 s |
 | ``long_stop_strings`` | 4 | three requests of 64 stops of 15,000 characters, again every 3 s |

@@ -15,15 +15,9 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.request import FinishReason
 from shared.engine.request_budget import RequestBudget, WorkMeter
 from shared.engine.sampling_params import SamplingParams
-from shared.model.gguf_loader import build_tokenizer, read_gguf
 from tests.engine.tiny import tiny_model
 
 THIRTY_LETTERS = {"type": "regex", "regex": "[a-z]{30}"}  # cannot end before max_tokens
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return build_tokenizer(read_gguf(default_model_path)[0])
 
 
 def still(*_: object) -> float:

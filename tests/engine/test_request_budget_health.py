@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 
 from cloudd.server import DEGRADED_FOR_S, CloudServer, ServeConfig
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.request_budget import WorkMeter
 from shared.engine.sampling_params import SamplingParams
-from shared.model.gguf_loader import build_tokenizer, read_gguf
 from tests.engine.tiny import tiny_model
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return build_tokenizer(read_gguf(default_model_path)[0])
 
 
 class FakeClock:
