@@ -12,7 +12,12 @@ With ``device_pool_frac`` each replica's KV pool is that fraction of the replaye
 working set (``cloudd.working_set``, as the single-engine bench sizes it), the single replica
 gets the replicas' pools combined (``combined_pool_prefix_hit_rate``: what two replicas would be
 if routing lost nothing), and ``predicted`` holds the bounded-LRU replay of the same prompts
-(``cloudd.cluster.lru_replay``) for comparison.
+(``cloudd.cluster.lru_replay``) for comparison. That replica is sent the trace at 1/N of the
+routers' rate (N replicas): each of them served about 1/N of the requests, so it carries the load
+per replica they did. At the full rate one replica falls minutes behind, runs dozens of requests
+at once, and their blocks push out what its cache would have kept: it would measure falling
+behind, not memory. Its throughput figures are therefore at that rate (``single_replica``'s
+``rate_scale``), not comparable to the routers'.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ class ClusterBenchOptions:
 
 def run_cluster_bench(opts: ClusterBenchOptions, log: Log) -> dict:
     """``{"runs": {router: report}, "single_replica": report, "single_replica_prefix_hit_rate":
-    float, "replicas": n}``; each report is ``cloudd bench --serve``'s object. With
-    ``device_pool_frac`` the single replica's rate is ``combined_pool_prefix_hit_rate`` instead,
+    float, "replicas": n}``; each report is ``cloudd bench --serve``'s object plus the
+    ``rate_scale`` it was replayed at. With ``device_pool_frac`` the single replica's rate is
+    ``combined_pool_prefix_hit_rate`` instead (that replica replayed at ``rate_scale / n``),
     beside ``pool`` (the sizes) and ``predicted`` (the bounded-LRU replay's rates)."""
     requests = load_requests(opts.trace, opts.limit)
     if opts.output_len is not None:
@@ -67,8 +73,9 @@ def run_cluster_bench(opts: ClusterBenchOptions, log: Log) -> dict:
         runs = {}
         for router in opts.routers:
             runs[router] = _one_run(dataclasses.replace(opts.cluster, router=router), replica_args, opts, requests, log)
+        single_rate = opts.rate_scale if pools is None else opts.rate_scale / opts.cluster.replicas
         single = _one_run(dataclasses.replace(opts.cluster, replicas=1, min_replicas=0, max_replicas=0), single_args,
-                          opts, requests, log)
+                          dataclasses.replace(opts, rate_scale=single_rate), requests, log)
     finally:
         stop_ray(started_here)
     single_key = "single_replica_prefix_hit_rate" if pools is None else "combined_pool_prefix_hit_rate"
@@ -128,6 +135,7 @@ def _one_run(cluster: ClusterConfig, serve_args: dict, opts: ClusterBenchOptions
         r = report(opts.trace, run_one(front.endpoint, requests, bench, log))
         r["router"] = front.routing.snapshot() if front.routing is not None else None
         r["resumed"] = front.resumed
+        r["rate_scale"] = opts.rate_scale
         log(format_serve_run({**r, "policy": name}))
         return r
     finally:

@@ -28,6 +28,8 @@ def test_cluster_bench_reports_each_router_and_one_replica_with_the_combined_poo
     assert 0 < result["combined_pool_prefix_hit_rate"] == result["single_replica"]["prefix_hit_rate"] <= 1
     pool = result["pool"]
     assert pool["combined_blocks"] == 2 * pool["replica_blocks"] and pool["working_set_tokens"] > 0
+    # the combined-pool replica carries one replica's load: the trace at half the routers' rate
+    assert result["single_replica"]["rate_scale"] == 10 and all(r["rate_scale"] == 20 for r in result["runs"].values())
     assert set(result["predicted"]) >= {"random", "pow2", "robot", "combined"}
     for name, run in result["runs"].items():  # each run's own router, counting only its requests
         assert run["router"]["policy"] == name
