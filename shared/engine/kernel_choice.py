@@ -55,6 +55,18 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# shape bucket -> the token rows of the step it times (every operation's decode and prefill steps)
+BUCKET_ROWS = {"decode": 32, "prefill": 512}
+
+# shape bucket -> the rows of that kind one fleet request runs. It decodes about as many tokens as
+# it prefills past the prefix cache (fleet-256: up to 96 output tokens; ~600-token prompts, ~87 %
+# of them cached): ~80 of each. A candidate's total is its time for one such request, so a
+# 32-row decode bucket counts 80/32 times and a 512-row prefill bucket 80/512: summing the
+# buckets' raw times let the prefill bucket decide and chose the 135M's slower dense products on
+# this engine (10-13 % slower on the fleet-256 bench, Intel Xeon with AMX). A bucket not named
+# here counts its time once.
+FLEET_ROWS_PER_REQUEST = {"decode": 80, "prefill": 80}
+
 # (operation, its candidates here) -> shape bucket -> candidate -> milliseconds
 Measure = Callable[[str, tuple[str, ...]], Mapping[str, Mapping[str, float]]]
 
@@ -132,14 +144,15 @@ class KernelPlan:
     timings_ms: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line: ``dense=packed (measured: 9.9 vs 14.4 ms) prefill_attention=rows (forced)``."""
+        """One line: ``dense=packed (measured: 9.90 vs 14.40 ms a request) prefill_attention=rows (forced)``,
+    each time the operation's for one fleet request's rows (``request_ms``)."""
         parts = []
         for op, impl in self.chosen.items():
             how = self.how[op]
-            totals = _totals(self.timings_ms.get(op, {}))
+            totals = request_ms(self.timings_ms.get(op, {}))
             if totals and how in ("measured", "cached"):
-                others = " vs ".join(f"{totals[c]:.1f}" for c in totals if c != impl)
-                how += f": {totals[impl]:.1f} vs {others} ms"
+                others = " vs ".join(f"{totals[c]:.2f}" for c in totals if c != impl)
+                how += f": {totals[impl]:.2f} vs {others} ms a request"
             parts.append(f"{op}={impl} ({how})")
         return " ".join(parts)
 
@@ -148,20 +161,23 @@ class KernelPlan:
                 "timings_ms": {op: {b: dict(c) for b, c in buckets.items()} for op, buckets in self.timings_ms.items()}}
 
 
-def _totals(buckets: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Each candidate's time summed over the buckets (only candidates timed in every bucket)."""
+def request_ms(buckets: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Each candidate's milliseconds for one fleet request's rows: its time in each bucket times
+    that bucket's ``FLEET_ROWS_PER_REQUEST / BUCKET_ROWS`` (1 for other buckets), summed (only
+    candidates timed in every bucket)."""
     if not buckets:
         return {}
     common = set.intersection(*(set(c) for c in buckets.values()))
-    return {c: sum(b[c] for b in buckets.values()) for c in next(iter(buckets.values())) if c in common}
+    weights = {b: FLEET_ROWS_PER_REQUEST[b] / BUCKET_ROWS[b] if b in FLEET_ROWS_PER_REQUEST else 1.0 for b in buckets}
+    return {c: sum(weights[b] * t[c] for b, t in buckets.items()) for c in next(iter(buckets.values())) if c in common}
 
 
 def fastest(op: str, buckets: Mapping[str, Mapping[str, float]]) -> str:
-    """The implementation of ``op`` with the least time summed over the shape buckets (an
+    """The implementation of ``op`` with the least ``request_ms`` over the shape buckets (an
     operation whose implementations cannot differ per bucket, like packed weights, which replace
     the dense ones, takes one for all); ties go to the earlier one in ``OPERATIONS``. ValueError
     when no candidate was timed in every bucket."""
-    totals = _totals(buckets)
+    totals = request_ms(buckets)
     if not totals:
         raise ValueError(f"no {op} implementation was timed in every shape bucket: {dict(buckets)}")
     return min(totals, key=lambda c: (totals[c], OPERATIONS[op].index(c)))
@@ -172,9 +188,9 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
     """The plan for operations with ``candidates`` (those available here, per operation): a
     forced one where ``forced`` names it (ValueError if it is not available here), the only one
     where there is one; without ``measure`` the first one ("default": the path before choices
-    were timed, which keeps a test's results independent of timings); else the cached choice
-    when ``cached`` timed exactly these candidates, else ``fastest`` of ``measure(op, available)``
-    (shape bucket -> candidate -> ms)."""
+    were timed, which keeps a test's results independent of timings); else ``fastest`` of the
+    timings ``cached`` holds when it timed exactly these candidates, else of
+    ``measure(op, available)`` (shape bucket -> candidate -> ms)."""
     chosen, how, timings = {}, {}, {}
     for op, available in candidates.items():
         if op in forced:
@@ -185,7 +201,8 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
         elif len(available) == 1 or measure is None:
             chosen[op], how[op] = available[0], "only" if len(available) == 1 else "default"
         elif cached is not None and _timed(cached, op) == set(available):
-            chosen[op], how[op], timings[op] = cached.chosen[op], "cached", cached.timings_ms[op]
+            timings[op] = cached.timings_ms[op]  # the rule applied again: a changed rule needs no re-timing
+            chosen[op], how[op] = fastest(op, timings[op]), "cached"
         else:
             timings[op] = measure(op, available)
             chosen[op], how[op] = fastest(op, timings[op]), "measured"
@@ -196,7 +213,7 @@ def _timed(plan: KernelPlan, op: str) -> set[str]:
     """The implementations of ``op`` that ``plan`` chose among by timing (empty: not timed). A
     cached choice stands only while they are the ones available: a build that adds one (or a
     machine that lost one) measures again."""
-    return set(_totals(plan.timings_ms.get(op, {}))) if plan.how.get(op) in ("measured", "cached") else set()
+    return set(request_ms(plan.timings_ms.get(op, {}))) if plan.how.get(op) in ("measured", "cached") else set()
 
 
 @functools.cache

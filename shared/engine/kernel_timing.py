@@ -22,10 +22,10 @@ from kernels import onednn_linear
 from kernels.attention import paged_attention
 from kernels.greedy_head import greedy_head
 from kernels.paged_decode_cpu import supports_tiles
-from shared.engine.kernel_choice import ChoiceCache, KernelPlan, KernelSpec, Measure, cpu_signature, plan_kernels
+from shared.engine.kernel_choice import (BUCKET_ROWS, ChoiceCache, KernelPlan, KernelSpec, Measure, cpu_signature,
+                                         plan_kernels)
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
-DENSE_ROWS = {"decode": 32, "prefill": 512}  # bucket -> token rows of a layer's projections
 REPEATS = 5
 
 
@@ -83,7 +83,7 @@ def time_dense(layer) -> dict[str, dict[str, float]]:
     packed = [(onednn_linear.PackedLinear(w), b) for w, b in weights]
     timings = {}
     with torch.inference_mode():
-        for bucket, rows in DENSE_ROWS.items():
+        for bucket, rows in BUCKET_ROWS.items():
             inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w, _ in weights]
             timings[bucket] = {
                 "linear": median_ms(lambda: [F.linear(x, w, b) for x, (w, b) in zip(inputs, weights)]),
@@ -97,7 +97,7 @@ def time_head(head) -> dict[str, dict[str, float]]:
     """The greedy LM head over a batched decode step's rows: ``greedy_head`` on the dense weight,
     and a ``PackedHead`` built here."""
     packed = onednn_linear.PackedHead(head)
-    rows = DENSE_ROWS["decode"]
+    rows = BUCKET_ROWS["decode"]
     with torch.inference_mode():
         hidden = torch.randn(rows, head.weight.shape[1], dtype=head.weight.dtype)
         return {"decode": {"linear": median_ms(lambda: greedy_head(hidden, head.weight)),
@@ -120,7 +120,8 @@ def time_attention(runner, op: str, impls: tuple[str, ...]) -> dict[str, dict[st
     return {op.removesuffix("_attention"): timings}
 
 
-def prefill_step(block_size: int, free_blocks: int, chunks: int = 4, cached: int = 384, new: int = 128) -> SchedulerOutput:
+def prefill_step(block_size: int, free_blocks: int, chunks: int = 4, cached: int = 384,
+                 new: int = BUCKET_ROWS["prefill"] // 4) -> SchedulerOutput:
     """A fleet trace's prefill step: ``chunks`` prompt chunks of ``new`` tokens after ``cached``
     ones (a system prompt and scene the radix cache holds), each over its own blocks 1, 2, ...
     of the pool (fewer or shorter where ``free_blocks`` are fewer)."""
@@ -135,7 +136,7 @@ def prefill_step(block_size: int, free_blocks: int, chunks: int = 4, cached: int
     return SchedulerOutput(prefills=prefills)
 
 
-def decode_step(block_size: int, free_blocks: int, rows: int = 64, prompts: int = 4, shared: int = 384,
+def decode_step(block_size: int, free_blocks: int, rows: int = BUCKET_ROWS["decode"], prompts: int = 4, shared: int = 384,
                 own: int = 64) -> SchedulerOutput:
     """A fleet trace's batched decode step: ``rows`` decode rows, each of ``prompts`` system
     prompts of ``shared`` tokens shared by a group of them, then ``own`` tokens of the row's
