@@ -61,10 +61,9 @@ BUCKET_ROWS = {"decode": 32, "prefill": 512}
 # shape bucket -> the rows of that kind one fleet request runs. It decodes about as many tokens as
 # it prefills past the prefix cache (fleet-256: up to 96 output tokens; ~600-token prompts, ~87 %
 # of them cached): ~80 of each. A candidate's total is its time for one such request, so a
-# 32-row decode bucket counts 80/32 times and a 512-row prefill bucket 80/512: summing the
-# buckets' raw times let the prefill bucket decide and chose the 135M's slower dense products on
-# this engine (10-13 % slower on the fleet-256 bench, Intel Xeon with AMX). A bucket not named
-# here counts its time once.
+# 32-row decode bucket counts 80/32 times and a 512-row prefill bucket 80/512 (the buckets' raw
+# sum weighed a prefill row 16 times less than a decode row, which a fleet's steps do not). A
+# bucket not named here counts its time once.
 FLEET_ROWS_PER_REQUEST = {"decode": 80, "prefill": 80}
 
 # (operation, its candidates here) -> shape bucket -> candidate -> milliseconds
@@ -144,8 +143,8 @@ class KernelPlan:
     timings_ms: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line: ``dense=packed (measured: 9.90 vs 14.40 ms a request) prefill_attention=rows (forced)``,
-    each time the operation's for one fleet request's rows (``request_ms``)."""
+        """One line: ``dense=packed (measured: 9.90 vs 14.40 ms a request) prefill_attention=rows
+        (forced)``, each time the operation's for one fleet request's rows (``request_ms``)."""
         parts = []
         for op, impl in self.chosen.items():
             how = self.how[op]

@@ -136,8 +136,8 @@ def prefill_step(block_size: int, free_blocks: int, chunks: int = 4, cached: int
     return SchedulerOutput(prefills=prefills)
 
 
-def decode_step(block_size: int, free_blocks: int, rows: int = BUCKET_ROWS["decode"], prompts: int = 4, shared: int = 384,
-                own: int = 64) -> SchedulerOutput:
+def decode_step(block_size: int, free_blocks: int, rows: int = BUCKET_ROWS["decode"], prompts: int = 4,
+                shared: int = 384, own: int = 64) -> SchedulerOutput:
     """A fleet trace's batched decode step: ``rows`` decode rows, each of ``prompts`` system
     prompts of ``shared`` tokens shared by a group of them, then ``own`` tokens of the row's
     own (fewer rows where ``free_blocks`` are fewer)."""
