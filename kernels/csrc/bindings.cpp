@@ -39,4 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a layer's output projection, residual, RMSNorm, SwiGLU MLP and residual (block weights) for a few rows (CPU)",
         py::arg("x"), py::arg("attended"), py::arg("o"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_up"),
         py::arg("down"), py::arg("bf16_products") = false);
+  m.def("tile_quant_matmul", &tile_quant_matmul,
+        "x @ W^T on the AMX tiles for a weight in 4- or 8-bit codes with a scale and minimum per group of columns (CPU)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("minimums"), py::arg("bits"), py::arg("group"),
+        py::arg("bias") = py::none());
+  m.def("tile_quant_matmul_usable", &tile_quant_matmul_usable,
+        "whether tile_quant_matmul runs here (AMX built and granted)");
 }

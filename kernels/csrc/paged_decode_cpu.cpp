@@ -22,6 +22,7 @@
 // accumulator) per block, flash-decoding style. The arithmetic is a task type (TaskFor): bf16 on
 // CPUs with AVX-512 BF16, float32 on CPUs with AVX2 and FMA, the portable loops elsewhere.
 
+#include "amx_tiles.h"
 #include "cpu_kernels.h"
 #include "cpu_math.h"
 
@@ -369,14 +370,6 @@ bool amx_tiles_ready() {
   return ready;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 template <int64_t DIM>
 struct AmxDecodeTask {
   static_assert(DIM % 32 == 0, "the tiles take 32 dimensions of q . k at a time");
@@ -395,17 +388,13 @@ struct AmxDecodeTask {
 
   // The tiles' shapes, set in the thread that runs the task (each thread has its own tiles).
   AmxDecodeTask() {
-    TileConfig config;
-    auto shape = [&](int tile, int rows, int bytes) {
-      config.rows[tile] = static_cast<uint8_t>(rows);
-      config.colsb[tile] = static_cast<uint16_t>(bytes);
-    };
-    shape(0, 16, 64);       // 16 heads x 32 dims
-    shape(1, 16, 64);       // 16 dimension pairs x 16 keys x 2
-    shape(2, 16, 64);       // 16 heads x 16 keys, float32
-    shape(3, 16, 32);       // 16 heads x 16 keys
-    shape(4, 8, 64);        // 8 key pairs x 16 dims x 2
-    shape(5, 16, 64);       // 16 heads x 16 dims, float32
+    AmxTileConfig config;
+    config.shape(0, 16, 64);  // 16 heads x 32 dims
+    config.shape(1, 16, 64);  // 16 dimension pairs x 16 keys x 2
+    config.shape(2, 16, 64);  // 16 heads x 16 keys, float32
+    config.shape(3, 16, 32);  // 16 heads x 16 keys
+    config.shape(4, 8, 64);   // 8 key pairs x 16 dims x 2
+    config.shape(5, 16, 64);  // 16 heads x 16 dims, float32
     _tile_loadconfig(&config);
   }
   ~AmxDecodeTask() { _tile_release(); }

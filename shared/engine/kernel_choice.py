@@ -52,6 +52,10 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # (kernels.paged_decode_cpu, vector code), or per-chunk GEMMs on the library's matmul (AMX
     # where the CPU has it) around the C++ softmax (kernels.attention.gemm_attention)
     "prefill_attention": ("rows", "gemm"),
+    # steps of at most 16 tokens (a plan's token and its grammar drafts): the same products as
+    # every step, or the layers' GGUF K-quant codes on the AMX tiles (kernels.tile_quant_linear:
+    # a quarter to a half of the bf16 weights' bytes, which such a step's time is; extra memory)
+    "small_steps": ("dense", "kquant"),
 }
 
 
@@ -71,7 +75,7 @@ Measure = Callable[[str, tuple[str, ...]], Mapping[str, Mapping[str, float]]]
 
 # operation -> the step-profile phase its time counts in (shared.engine.step_profile)
 OPERATION_PHASES = {"dense": "model", "head": "logits", "decode_attention": "attention",
-                    "prefill_attention": "attention"}
+                    "prefill_attention": "attention", "small_steps": "model"}
 
 
 def operation_shares(chosen: Mapping[str, str], phase_share: Mapping[str, float]) -> dict[str, dict]:

@@ -47,7 +47,8 @@ def candidates(runner) -> dict[str, tuple[str, ...]]:
     tiles = kernel and runner.kv_layout == "paired" and supports_tiles(cfg.head_dim, runner.dtype, runner.block_size)
     decode = ("rows", "tiles", "cascade") if tiles else ("rows", "cascade") if kernel else ("cascade",)
     return {"dense": dense, "head": head, "decode_attention": decode,
-            "prefill_attention": ("rows", "gemm") if kernel else ("gemm",)}
+            "prefill_attention": ("rows", "gemm") if kernel else ("gemm",),
+            "small_steps": ("dense", "kquant") if runner.has_kquant_codes() else ("dense",)}
 
 
 def measurer(runner) -> Measure:
@@ -60,6 +61,8 @@ def measurer(runner) -> Measure:
             return time_head(runner.model.lm_head)
         if op in ATTENTION_STEPS:
             return time_attention(runner, op, impls)
+        if op == "small_steps":
+            return time_small_steps(runner)
         raise ValueError(f"no timing for operation {op!r}")
     return measure
 
@@ -91,6 +94,30 @@ def time_dense(layer) -> dict[str, dict[str, float]]:
                                              for x, (p, b) in zip(inputs, packed)]),
             }
     return timings
+
+
+SMALL_STEP_ROWS = 8  # a plan's token with a few grammar drafts
+
+
+def time_small_steps(runner) -> dict[str, dict[str, float]]:
+    """Every layer's projections and the LM head at ``SMALL_STEP_ROWS`` rows: torch's ``linear`` on the dense
+    weights as loaded, and the K-quant codes' tile kernel. All layers, not the first: a small
+    step's time is its weights' bytes streamed from memory, which one layer's would not show
+    (they stay in cache); packed dense weights would run about 1.4x faster than ``linear`` here."""
+    model, projections = runner.model, runner.kquant_projections()
+    modules = {name: model.get_submodule(name) for name in projections}
+    def dense(x: torch.Tensor, m) -> torch.Tensor:  # an earlier engine may have packed the weights
+        linear = onednn_linear.packed_linear if isinstance(m, onednn_linear.PackedLinear) else F.linear
+        return linear(x, m.weight, getattr(m, "bias", None))
+
+    with torch.inference_mode():
+        inputs = {name: torch.randn(SMALL_STEP_ROWS, m.weight.shape[1], dtype=runner.dtype)
+                  for name, m in modules.items()}
+        return {"small": {
+            "dense": median_ms(lambda: [dense(inputs[n], m) for n, m in modules.items()]),
+            "kquant": median_ms(lambda: [projections[n](inputs[n], getattr(m, "bias", None))
+                                         for n, m in modules.items()]),
+        }}
 
 
 def time_head(head) -> dict[str, dict[str, float]]:

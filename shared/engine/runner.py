@@ -19,6 +19,9 @@ from kernels.paged_decode_cpu import supports_paired
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
 from kernels.triton_decode_attention import launch_programs
 from kernels.triton_layers import TRITON_LAYERS
+from kernels.tile_quant_linear import MAX_ROWS as MAX_SMALL_STEP_ROWS
+from kernels.tile_quant_linear import TILE_QUANT_LAYERS, TileQuantProjection
+from kernels.tile_quant_matmul_cpu import tile_quant_matmul_usable
 from kernels.triton_support import check_tiles
 from shared.engine.block_table_rows import BlockTableRows
 from shared.engine.decode_graphs import DecodeGraphs
@@ -27,6 +30,7 @@ from shared.engine.kv.block_pool import NULL_BLOCK, slot_ids
 from shared.engine.kv.manager import SlotCopy
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.engine.step_profile import StepProfile, TimedAttentionStep, maybe_phase
+from shared.model.kquant_projections import attach_projections, has_kquant_projections, kquant_projections
 from shared.model.llama import AttentionStep, KVCache, LlamaModel
 from shared.model.onednn_packing import pack_head, pack_layer_linears
 
@@ -112,6 +116,7 @@ class ModelRunner:
         self.prefill_attention = "rows" if self.decode_in_place else "gemm"
         self.decode_attention = "rows" if self.decode_in_place else "cascade"
         self.kernel_plan = KernelPlan({}, {})  # what apply_plan chose (empty: the defaults above)
+        self._kquant: dict[str, TileQuantProjection] | None = None  # kquant_projections(), once built
         self._flops = _FlopCounter(model)
         self._decode_programs = launch_programs(self.device)  # the Triton decode launch's target
         self.graphs: DecodeGraphs | None = None
@@ -145,6 +150,9 @@ class ModelRunner:
         of ``execute``'s logits, without those logits (``kernels.greedy_head``)."""
         hidden = self._forward(out)
         with maybe_phase(self.profile, "logits"):
+            small = self.model.small_step_logits(hidden)
+            if small is not None:  # first maxima, as greedy_head takes them
+                return small.argmax(dim=-1).tolist()
             head = self.model.lm_head
             return (head.greedy(hidden) if isinstance(head, PackedHead) else greedy_head(hidden, head.weight)).tolist()
 
@@ -249,14 +257,33 @@ class ModelRunner:
             return self._rows_batch(out, tiles)
         return self._segments_batch(self._prepare(out), in_place_decodes=decode != "cascade", tiles=tiles)
 
+    def has_kquant_codes(self) -> bool:
+        """Whether small steps can run on the model's GGUF K-quant codes here: a bf16 model read
+        from a GGUF with Q4_K/Q6_K layer weights, on a CPU whose kernels have the AMX tiles."""
+        source = self.model.gguf_source
+        return (self.kernels == "torch" and self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and source is not None and tile_quant_matmul_usable() and has_kquant_projections(source))
+
+    def kquant_projections(self) -> dict[str, TileQuantProjection]:
+        """The model's layer projections as its GGUF's K-quant codes (built once: ~1 GB and a few
+        seconds for a 1.5B model)."""
+        if self._kquant is None:
+            self._kquant = kquant_projections(self.model.gguf_source)
+        return self._kquant
+
     def apply_plan(self, plan: KernelPlan) -> None:
         """Run the implementations ``plan`` chose (``shared.engine.kernel_choice``): packed
         projections (the model's dense weights replaced, ``kernels.onednn_linear``; before
-        ``LlamaModel.compile_layers``), a packed LM head, and how prompt chunks and decode rows
-        attend."""
+        ``LlamaModel.compile_layers``), a packed LM head, how prompt chunks and decode rows
+        attend, and small steps on the K-quant codes (attached to the weights as packed)."""
         if plan.chosen.get("dense") == "packed":
             pack_layer_linears(self.model)
             self.model.use_layer_functions(PACKED_LAYERS)
+        if plan.chosen.get("small_steps") == "kquant":
+            projections = self.kquant_projections()
+            attach_projections(self.model, {m: p for m, p in projections.items() if m != "lm_head"})
+            self.model.use_small_step_functions(TILE_QUANT_LAYERS, MAX_SMALL_STEP_ROWS, projections.get("lm_head"))
+        self._kquant = None  # attached (the weights hold them) or not chosen: not kept here
         if plan.chosen.get("head") == "packed":
             pack_head(self.model)
         prefill = plan.chosen.get("prefill_attention", self.prefill_attention)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -167,12 +168,36 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # the GGUF file the weights were read from (shared.model.weight_cache), else None: small
+        # steps may multiply by its K-quant codes (shared.model.kquant_projections)
+        self.gguf_source: Path | None = None
         # shared.model.weight_cache.MappedWeights where the parameters view a converted-weights
         # file's pages (so a weight replaced by another form can give its pages back)
         self.mapped_weights = None
         self.eager_functions = EAGER  # what forwards of fewer than compiled_min_tokens tokens run
         self.layer_functions = EAGER  # compile_layers() swaps in compiled ones
         self.compiled_min_tokens = 0
+        # forwards of at most small_step_max_tokens tokens run these where set (the layers'
+        # products on their GGUF's K-quant codes: kernels.tile_quant_linear)
+        self.small_step_functions: LayerFunctions | None = None
+        self.small_step_max_tokens = 0
+        self.small_step_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # their logits, where set
+
+    def use_small_step_functions(self, functions: LayerFunctions | None, max_tokens: int = 0,
+                                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Run ``functions`` in forwards of at most ``max_tokens`` tokens (None: as any other),
+        and ``head`` (hidden [rows, hidden] -> logits [rows, vocab] in the model's dtype) for the
+        logits of at most that many rows where given."""
+        self.small_step_functions = functions
+        self.small_step_max_tokens = max_tokens if functions is not None else 0
+        self.small_step_head = head if functions is not None else None
+
+    def small_step_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``hidden``'s rows [rows, vocab] in the model's dtype from the small
+        steps' head, or None where it does not take them (no such head, or too many rows)."""
+        if self.small_step_head is None or len(hidden) > self.small_step_max_tokens:
+            return None
+        return self.small_step_head(hidden)
 
     def use_layer_functions(self, functions: LayerFunctions) -> None:
         """Run ``functions`` in every forward (uncompiled; ``compile_layers`` compiles them)."""
@@ -233,7 +258,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
-        fns = self.layer_functions if len(input_ids) >= self.compiled_min_tokens else self.eager_functions
+        tokens = len(input_ids)
+        if tokens <= self.small_step_max_tokens:
+            fns = self.small_step_functions
+        else:
+            fns = self.layer_functions if tokens >= self.compiled_min_tokens else self.eager_functions
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, step, fns)
         return self.norm(x)
@@ -242,7 +271,9 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in ``dtype`` (None: the model's own, saving a copy the size
         of the logits when the caller converts only some rows)."""
-        scores = self.lm_head(hidden)
+        scores = self.small_step_logits(hidden)
+        if scores is None:
+            scores = self.lm_head(hidden)
         return scores if dtype is None else scores.to(dtype)
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

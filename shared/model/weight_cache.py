@@ -59,16 +59,18 @@ def build_cached_model(ckpt: Checkpoint, dtype: torch.dtype, cache: bool = True)
     from the GGUF and saved for next time; a failed save is logged, not raised. ``cache=False``
     neither reads nor writes converted files. A HF folder's model is always built.
     """
-    if not cache or ckpt.source.suffix != ".gguf":
+    if ckpt.source.suffix != ".gguf":
         return build_model(ckpt.config, ckpt.weights, dtype)
-    file = converted_file(ckpt.source, dtype)
-    model = read_converted(file, ckpt.config, dtype)
+    model = read_converted(converted_file(ckpt.source, dtype), ckpt.config, dtype) if cache else None
     if model is None:
         model = build_model(ckpt.config, ckpt.weights, dtype)
-        try:
-            write_converted(model, file)
-        except OSError as e:
-            log.warning("could not save the converted weights to %s: %s", file, e)
+        if cache:
+            file = converted_file(ckpt.source, dtype)
+            try:
+                write_converted(model, file)
+            except OSError as e:
+                log.warning("could not save the converted weights to %s: %s", file, e)
+    model.gguf_source = ckpt.source
     return model
 
 

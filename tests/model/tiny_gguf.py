@@ -6,6 +6,7 @@ The gguf package quantizes no K-quant, but a block of random bytes is a valid bl
 its fp16 scales are finite: the blocks are random bytes with small random scales written over.
 """
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -52,8 +53,8 @@ def shapes(arch: str, tied: bool) -> dict[str, tuple[int, ...]]:
     return result
 
 
-def kind_of(name: str) -> gguf.GGMLQuantizationType:
-    return GLOBAL_KINDS[name] if name in GLOBAL_KINDS else LAYER_KINDS[name.split(".", 2)[2]]
+def kind_of(name: str, layer_kinds: Mapping[str, gguf.GGMLQuantizationType] = LAYER_KINDS) -> gguf.GGMLQuantizationType:
+    return GLOBAL_KINDS[name] if name in GLOBAL_KINDS else layer_kinds[name.split(".", 2)[2]]
 
 
 def random_blocks(kind: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -67,9 +68,11 @@ def random_blocks(kind: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", tied: bool = False, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, arch: str = "qwen2", tied: bool = False, seed: int = 0,
+                    layer_kinds: Mapping[str, gguf.GGMLQuantizationType] = LAYER_KINDS) -> Path:
     """A 2-layer ``arch`` ("qwen2" or "llama": no biases, q/k rows as llama.cpp permutes them)
-    GGUF at ``path`` with random weights; ``tied``: no `output.weight`."""
+    GGUF at ``path`` with random weights; ``tied``: no `output.weight`; ``layer_kinds``: each
+    layer tensor's type (default ``LAYER_KINDS``)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(CONTEXT)
@@ -91,7 +94,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", tied: bool = False, seed: i
     writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
     for name, shape in shapes(arch, tied).items():
-        kind = kind_of(name)
+        kind = kind_of(name, layer_kinds)
         if kind == Q.F32:
             center = 1.0 if "norm" in name else 0.0  # norms near 1, biases near 0
             writer.add_tensor(name, (center + 0.1 * rng.standard_normal(shape)).astype(np.float32))

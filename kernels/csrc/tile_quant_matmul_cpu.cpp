@@ -1,0 +1,217 @@
+// x @ W^T for the few rows of a small engine step (a token and its grammar drafts, a short
+// prompt) on the AMX tiles, for a weight kept in 4- or 8-bit codes with a float32 scale and
+// minimum per `group` input columns of each output (w = scale * code + minimum): a GGUF's
+// K-quant blocks as they are (Q4_K: 4-bit codes, groups of 32; Q6_K: 6-bit codes as bytes,
+// groups of 16), so a step reads a quarter to a half of the bf16 weight's bytes.
+//
+//   x         [M, K] bfloat16, contiguous; K a multiple of 32
+//   codes     [N / 16, K / 32, 16, 16 * bits / 4] uint8: one B tile's codes per 16 outputs and
+//             32 columns, a tile row (a column pair r) a row: element e (0-31) of row r is the
+//             weight of output e / 2 (e < 16) or 8 + (e - 16) / 2 (e >= 16), column 2r + e % 2.
+//             4 bits: byte i holds element i in its low nibble and element 16 + i in its high
+//             one; 8 bits: one element a byte (kernels.tile_quant_matmul_cpu.TileQuantWeight)
+//   scales    [N / 16, K / group, 16] float32: output block, column group, output in the block
+//   minimums  the same shape
+//   bias      [N] bfloat16 or absent
+//   returns   [M, N] bfloat16
+//
+// Per 16 outputs and one group of columns, the codes become the bf16 values 128 + code (exact
+// below 128: one OR) in an L1 buffer, one TDPBF16PS sums them against up to 16 rows of x in
+// float32, and the group's sums are scaled in vectors: sum(x w) = scale * sum(x (128 + code)) +
+// (minimum - 128 scale) * sum(x). So the products are the exact weights' (no bf16 rounding of
+// scale * code + minimum), up to float32 rounding, and the matrix unit does them: the cost is
+// one widening a weight whatever M is, so the time barely grows with the rows. The codes are
+// widened two groups ahead and the sums scaled two behind, so neither a tile load nor the
+// vector reads of a tile store wait on stores still in flight. Bit-identical results for a row
+// whatever rows come with it. Measured in docs/engine-speed.md.
+
+#include "amx_tiles.h"
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kOuts = 16;   // outputs a B tile holds
+constexpr int64_t kCols = 32;   // columns a B tile holds (16 pairs)
+constexpr int64_t kRows = 16;   // rows of x a tile holds
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kBuilt = true;
+constexpr int64_t kCodeBias = 128;  // bf16 bits 0x4300 | q stand for 128 + q exactly, for q < 128
+
+// Tile rows r and r + 1 of a group's codes as bf16 (128 + code) into out (two rows of 32).
+// 4 bits: 32 bytes, byte i of a row holding element i (low nibble) and 16 + i (high nibble);
+// 8 bits: a row's 32 bytes, read one row at a time.
+template <int Bits>
+inline void widen_two_rows(const uint8_t* codes, at::BFloat16* out) {
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  if constexpr (Bits == 4) {
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __m512i low = _mm512_ternarylogic_epi32(words, _mm512_set1_epi16(0x0F), bias, 0xEA);  // (w & 15) | bias
+    const __m512i high = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias);
+    // 128-bit lanes: low = [row r 0-7, 8-15 | row r+1 0-7, 8-15], high the same for elements 16-31
+    _mm512_store_si512(reinterpret_cast<__m512i*>(out), _mm512_shuffle_i64x2(low, high, 0x44));
+    _mm512_store_si512(reinterpret_cast<__m512i*>(out + 32), _mm512_shuffle_i64x2(low, high, 0xEE));
+  } else {
+    for (int row = 0; row < 2; ++row) {
+      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * row)));
+      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 32 * row), _mm512_or_si512(words, bias));
+    }
+  }
+}
+
+// A block's 16 per-output values, one a lane.
+inline __m512 block_values(const float* values) { return _mm512_loadu_ps(values); }
+
+// Outputs of blocks [b_begin, b_end) for rows [m0, m0 + rows) of x; x_sums [rows, K / group]:
+// each row's sum over each group of columns.
+template <int Bits>
+void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, const float* x_sums,
+                 const uint8_t* codes, const float* scales, const float* minimums, int64_t group,
+                 const at::BFloat16* bias, int64_t n, int64_t b_begin, int64_t b_end, at::BFloat16* y) {
+  constexpr int64_t row_bytes = kOuts * Bits / 4;  // a tile row's codes
+  const int64_t groups = k / group, pair_rows = group / 2;
+  // tile registers: 0 and 4 a group's sums [rows x 16 outputs] float32 (128 + code as the
+  // weights), 1 and 5 x [rows x group columns], 2 and 3 the codes as bf16 [group / 2 column
+  // pairs x 16 outputs x 2]: two groups at a time on their own tiles. The codes are widened
+  // two groups ahead and a group's sums scaled two groups behind, so the stores a tile load
+  // reads, and the tile stores the vector code reads, have long landed.
+  AmxTileConfig config;
+  for (int tile : {0, 4}) config.shape(tile, rows, kOuts * 4);
+  for (int tile : {1, 5}) config.shape(tile, rows, group * 2);
+  for (int tile : {2, 3}) config.shape(tile, pair_rows, 64);
+  _tile_loadconfig(&config);
+  alignas(64) at::BFloat16 widened[4][16 * 32];
+  alignas(64) float sums[4][kRows * kOuts];
+  alignas(64) float acc[kRows * kOuts];
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    std::fill(acc, acc + rows * kOuts, 0.f);
+    const uint8_t* block_codes = codes + b * (k / kCols) * 16 * row_bytes;
+    const auto widen = [&](int64_t g) {
+      if (g >= groups) return;
+      for (int64_t r = 0; r < pair_rows; r += 2) {
+        widen_two_rows<Bits>(block_codes + (g * pair_rows + r) * row_bytes, widened[g & 3] + r * 32);
+      }
+    };
+    // w = scale * code + minimum: sum(x w) = scale * sum(x (128 + code)) + (minimum - 128 scale) * sum(x)
+    const auto add_group = [&](int64_t g) {
+      const __m512 scale = block_values(scales + (b * groups + g) * kOuts);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(kCodeBias), scale,
+                                             block_values(minimums + (b * groups + g) * kOuts));
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums[g & 3] + r * kOuts), scale, _mm512_load_ps(acc + r * kOuts));
+        a = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * groups + g]), offset, a);
+        _mm512_store_ps(acc + r * kOuts, a);
+      }
+    };
+    widen(0);
+    widen(1);
+    int64_t g = 0;
+    for (; g + 1 < groups; g += 2) {
+      widen(g + 2);
+      _tile_zero(0);
+      _tile_loadd(1, x + m0 * k + g * group, k * sizeof(at::BFloat16));
+      _tile_loadd(2, widened[g & 3], 64);
+      _tile_dpbf16ps(0, 1, 2);
+      widen(g + 3);
+      _tile_zero(4);
+      _tile_loadd(5, x + m0 * k + (g + 1) * group, k * sizeof(at::BFloat16));
+      _tile_loadd(3, widened[(g + 1) & 3], 64);
+      _tile_dpbf16ps(4, 5, 3);
+      if (g >= 2) {
+        add_group(g - 2);
+        add_group(g - 1);
+      }
+      _tile_stored(0, sums[g & 3], kOuts * sizeof(float));
+      _tile_stored(4, sums[(g + 1) & 3], kOuts * sizeof(float));
+    }
+    if (g < groups) {  // an odd count's last group
+      _tile_zero(0);
+      _tile_loadd(1, x + m0 * k + g * group, k * sizeof(at::BFloat16));
+      _tile_loadd(2, widened[g & 3], 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_stored(0, sums[g & 3], kOuts * sizeof(float));
+      add_group(g);
+    }
+    for (int64_t pending = std::max<int64_t>(0, g - 2); pending < g; ++pending) add_group(pending);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 a = _mm512_load_ps(acc + r * kOuts);
+      if (bias != nullptr) {
+        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kOuts))), 16)));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * n + b * kOuts), (__m256i)_mm512_cvtneps_pbh(a));
+    }
+  }
+  _tile_release();
+}
+
+// Each row's sum of x over each group of columns, in float32: [rows, K / group].
+std::vector<float> group_sums(const at::BFloat16* x, int64_t rows, int64_t k, int64_t group) {
+  std::vector<float> out(rows * (k / group));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < group; ++j) sum += static_cast<float>(x[r * k + g * group + j]);
+      out[r * (k / group) + g] = sum;
+    }
+  }
+  return out;
+}
+#else
+constexpr bool kBuilt = false;
+#endif
+
+}  // namespace
+
+bool tile_quant_matmul_usable() { return kBuilt && amx_tiles_usable(); }
+
+torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
+                                int64_t bits, int64_t group, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(tile_quant_matmul_usable(), "tile_quant_matmul: this CPU or build has no AMX tiles");
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "tile_quant_matmul: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(group == 16 || group == 32, "tile_quant_matmul: group must be 16 or 32, got ", group);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+                    "tile_quant_matmul: x must be [M, K] bfloat16, contiguous, on the CPU");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(k % kCols == 0, "tile_quant_matmul: K must be a multiple of 32, got ", k);
+  TORCH_CHECK_VALUE(codes.dim() == 4 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
+                        codes.size(1) == k / kCols && codes.size(2) == 16 && codes.size(3) == kOuts * bits / 4,
+                    "tile_quant_matmul: codes must be [N / 16, K / 32, 16, ", kOuts * bits / 4, "] uint8, contiguous");
+  const int64_t blocks = codes.size(0), n = blocks * kOuts;
+  for (const auto& t : {scales, minimums}) {
+    TORCH_CHECK_VALUE(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.size(0) == blocks &&
+                          t.size(1) == k / group && t.size(2) == kOuts,
+                      "tile_quant_matmul: scales and minimums must be [N / 16, K / group, 16] float32, contiguous");
+  }
+  const at::BFloat16* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kBFloat16 &&
+                          bias->is_contiguous(),
+                      "tile_quant_matmul: bias must be [N] bfloat16, contiguous");
+    bias_data = bias->data_ptr<at::BFloat16>();
+  }
+  auto y = torch::empty({m, n}, x.options());
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const auto run = bits == 4 ? block_range<4> : block_range<8>;
+  const at::BFloat16* xd = x.data_ptr<at::BFloat16>();
+  const std::vector<float> x_sums = group_sums(xd, m, k, group);
+  at::BFloat16* yd = y.data_ptr<at::BFloat16>();
+  const uint8_t* cd = codes.data_ptr<uint8_t>();
+  const float *sd = scales.data_ptr<float>(), *md = minimums.data_ptr<float>();
+  // NOTE: blocks in grains of 8 (128 outputs): a 1,536-output projection still splits over the cores
+  at::parallel_for(0, blocks, 8, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+      run(xd, m0, std::min(kRows, m - m0), k, x_sums.data() + m0 * (k / group), cd, sd, md, group, bias_data, n,
+          b_begin, b_end, yd);
+    }
+  });
+#endif
+  return y;
+}

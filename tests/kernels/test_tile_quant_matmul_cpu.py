@@ -1,0 +1,74 @@
+"""The K-quant codes' tile kernel (``kernels.tile_quant_matmul_cpu``) against plain torch over the
+dequantized weight, at random shapes; a row's result whatever rows come with it; bad weights
+refused. Skipped, with the reason, where the CPU or build has no AMX tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.tile_quant_matmul_cpu import CODE_LIMITS, TileQuantWeight, tile_quant_matmul, tile_quant_matmul_usable
+
+needs_tiles = pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX (amx_bf16)")
+
+
+def random_weight(n: int, k: int, bits: int, group: int, generator: torch.Generator) -> TileQuantWeight:
+    codes = torch.randint(0, CODE_LIMITS[bits], (n, k), generator=generator)
+    scales = torch.rand(n, k // group, generator=generator) * 0.02
+    minimums = -torch.rand(n, k // group, generator=generator) * 0.1
+    return TileQuantWeight.from_codes(codes, scales, minimums, bits, group)
+
+
+@settings(max_examples=20, deadline=None)
+@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([16, 32]), blocks=st.integers(1, 4),
+       col_tiles=st.integers(1, 5), seed=st.integers(0, 99))
+def test_the_weight_is_its_codes_times_scales_plus_minimums(bits, group, blocks, col_tiles, seed):
+    generator = torch.Generator().manual_seed(seed)
+    n, k = 16 * blocks, 32 * col_tiles
+    codes = torch.randint(0, CODE_LIMITS[bits], (n, k), generator=generator)
+    scales, minimums = torch.rand(n, k // group, generator=generator), torch.randn(n, k // group, generator=generator)
+    weight = TileQuantWeight.from_codes(codes, scales, minimums, bits, group)
+    want = codes.double() * scales.double().repeat_interleave(group, 1) + minimums.double().repeat_interleave(group, 1)
+    assert weight.shape == (n, k)
+    torch.testing.assert_close(weight.dequantize().double(), want, rtol=1e-6, atol=1e-6)
+
+
+@needs_tiles
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([16, 32]), rows=st.integers(1, 40), blocks=st.integers(1, 5),
+       col_tiles=st.integers(1, 5), bias=st.booleans(), seed=st.integers(0, 99))
+def test_the_product_is_the_dequantized_weights(bits, group, rows, blocks, col_tiles, bias, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = random_weight(16 * blocks, 32 * col_tiles, bits, group, generator)
+    x = torch.randn(rows, 32 * col_tiles, generator=generator).bfloat16()
+    b = torch.randn(16 * blocks, generator=generator).bfloat16() if bias else None
+    got = tile_quant_matmul(x, weight, b)
+    want = x.double() @ weight.dequantize().double().t() + (0 if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # the output rounded to bf16, float32 sums of exact bf16 x times the exact weights
+    assert (got.double() - want).abs().max() <= 2 ** -8 * want.abs().max().item() + 1e-3
+
+
+@needs_tiles
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    generator = torch.Generator().manual_seed(5)
+    weight = random_weight(64, 160, 4, 32, generator)
+    x = torch.randn(21, 160, generator=generator).bfloat16()
+    together = tile_quant_matmul(x, weight)
+    for row in (0, 7, 16, 20):
+        assert torch.equal(tile_quant_matmul(x[row:row + 1], weight)[0], together[row])
+
+
+@pytest.mark.parametrize("codes, scales, bits, group, problem", [
+    (torch.zeros(8, 32, dtype=torch.int64), torch.zeros(8, 1), 4, 32, "N % 16"),  # too few rows
+    (torch.zeros(16, 48, dtype=torch.int64), torch.zeros(16, 3), 4, 16, "K % 32"),
+    (torch.full((16, 32), 16), torch.zeros(16, 1), 4, 32, "4-bit codes"),
+    (torch.full((16, 32), 128), torch.zeros(16, 2), 8, 16, "8-bit codes"),  # 128 + 128 is no exact bf16
+    (torch.zeros(16, 32, dtype=torch.int64), torch.zeros(16, 1), 6, 32, "bits"),
+    (torch.zeros(16, 32, dtype=torch.int64), torch.zeros(16, 2), 4, 32, "scales/minimums"),
+])
+def test_a_weight_the_kernel_cannot_read_is_refused(codes, scales, bits, group, problem):
+    with pytest.raises(ValueError, match=problem.split("/")[0].split(" %")[0]):
+        TileQuantWeight.from_codes(codes, scales, scales, bits, group)
