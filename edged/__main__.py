@@ -100,7 +100,7 @@ def cmd_plan_eval(args) -> int:
 
 
 def _plan_eval_tiers(args) -> int:
-    from edged.config import EdgeConfig
+    from edged.config import SHIPPED_CONFIG, EdgeConfig
     from edged.plan_eval import HEADER
     from edged.plan_tiers import TierOptions, json_lines, run_tiers
     from shared.model.fetch import resolve_model
@@ -110,7 +110,7 @@ def _plan_eval_tiers(args) -> int:
     options = TierOptions(tiers=args.tiers, backend=args.backend[0], quant=args.quant[0],
                           cloud_model=resolve_model(args.cloud_model).resolve() if args.cloud_model else None,
                           cloud_config=args.cloud_config, cloud_endpoint=args.cloud_endpoint,
-                          escalation=(EdgeConfig.load(args.config) if args.config else EdgeConfig()).escalation)
+                          escalation=EdgeConfig.load(args.config or SHIPPED_CONFIG).escalation)
     if not args.json:
         print(HEADER, flush=True)
     with json_lines(args.records) as record:
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the started cloudd's TOML ([engine] device, dtype, compile, ...; default: cloudd's defaults)")
     v.add_argument("--cloud-endpoint", default=None, help="the tiers' cloud: a running cloudd (no CURVE)")
     v.add_argument("--config", type=Path, default=None,
-                   help="an edged TOML whose [escalation] rules the hybrid tier runs (default: the built-in ones)")
+                   help="an edged TOML whose [escalation] rules the hybrid tier runs (default: configs/edged.toml, "
+                        "the shipped robot config)")
     v.add_argument("--records", type=Path, default=None,
                    help="with --tiers: write every answer and its outcome here, one JSON line each")
     v.add_argument("--json", action="store_true")

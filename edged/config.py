@@ -68,6 +68,9 @@ class PinnedPromptConfig:
         return out
 
 
+SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "edged.toml"  # the robot config the repo ships
+
+
 @dataclass(frozen=True)
 class EdgeConfig:
     backend: BackendConfig = BackendConfig()

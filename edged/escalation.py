@@ -11,6 +11,14 @@ before running locally
 - ``local_queue``: the local queue ahead of it plus its own work cannot finish before its
   deadline, at the measured local speed;
 
+racing (``race``): a structured request (a plan) that no rule above escalates goes to the cloud
+at once, while the robot plans it too. The first usable answer wins: the robot's, when it
+finishes first and no rule below escalates it (the cloud's call is then dropped), else the
+cloud's (the robot's plan is then cancelled, or kept as the fallback where a rule below
+escalated it). An escalated plan then costs about the cloud's time, not the robot's plus the
+cloud's; the price is cloud work for the plans the robot keeps (dropped part-way). The cloud
+answering first reports the reason ``race``.
+
 after a local answer (so that answer is the fallback)
 - ``invalid_plan``: a structured request's text does not parse or fails its JSON schema
   (e.g. ``max_tokens`` cut it);
@@ -51,6 +59,7 @@ class EscalationReason(enum.Enum):
     INVALID_PLAN = "invalid_plan"
     LOW_CONFIDENCE = "low_confidence"
     OFF_TASK = "off_task"
+    RACE = "race"  # raced against the robot's plan, the cloud's came first
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class EscalationConfig:
     fallback_margin_ms: int = 100  # with a deadline: answer locally this long before it
     breaker_failures: int = 3  # failures in a row that open the circuit breaker
     breaker_cooldown_s: float = 10.0  # how long an open breaker answers locally before a trial
+    race: bool = False  # a plan no rule escalates before running goes to the cloud at once too
 
     def __post_init__(self) -> None:
         if bool(self.server_public_key) != bool(self.robot_secret_key):
@@ -105,6 +115,12 @@ class EscalationPolicy:
         if msg.deadline_ms is not None and local_wait_s is not None and local_wait_s > msg.deadline_ms / 1000:
             return EscalationReason.LOCAL_QUEUE
         return None
+
+    def races(self, msg: Generate) -> bool:
+        """Whether ``msg`` (no rule escalated it before running) also goes to the cloud at once:
+        ``race`` on, a cloud, a structured request that may escalate (``escalation: auto``)."""
+        return (self.config.race and self.has_cloud and msg.escalation is Escalation.AUTO
+                and msg.response_format is not None)
 
     def after(self, msg: Generate, job: LocalJob, answer: StructuredAnswer | None) -> EscalationReason | None:
         """The reason to escalate a finished local answer, or None. ``answer``: ``job.text``

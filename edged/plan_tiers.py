@@ -7,7 +7,8 @@
   at free ports with cloudd's defaults or ``--cloud-config``, stopped at the end, on failure
   too);
 - ``hybrid``: through edged with its escalation policy: an edged front in this process (the same
-  backend; the ``[escalation]`` rules of ``--config``, else the defaults) linked to that cloud.
+  backend; the ``[escalation]`` rules of ``--config``, else those of the shipped
+  ``configs/edged.toml``) linked to that cloud.
   The robot answers what it can and escalates the rest; an escalated plan's time is the local
   plan's and then the cloud's.
 

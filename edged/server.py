@@ -245,6 +245,9 @@ class EdgeServer(Lane[Prepared]):
             self._start_local(req, params)
         if req.reason is not None:
             self._escalate(req)
+        elif self.cloud is not None and self.policy.races(msg) and self.cloud.breaker.allow():
+            req.state.cloud_to(Cloud.WAITING)
+            self._call_cloud(req)
 
     def cancelled_before_start(self, request_id: str, prepared: Prepared) -> Result:
         return Result(request_id, "", FinishReason.ABORT.value, Usage(len(prepared.prompt_ids), 0),
@@ -287,6 +290,9 @@ class EdgeServer(Lane[Prepared]):
                 req.reason = reason
                 self._escalate(req)
                 return
+            if req.cloud_waiting:  # raced, and the robot's plan stands: the cloud's is not needed
+                self._cloud_failed(req, "the robot's plan came first")
+                self.cloud.abandon(rid)
         self._settle(req)
 
     # --- cloud ---------------------------------------------------------------------------------
@@ -330,6 +336,9 @@ class EdgeServer(Lane[Prepared]):
         if req is None or not req.state.cloud_to(Cloud.ANSWERED):
             return
         req.call.result = result
+        if req.reason is None:  # raced: the cloud's plan came first
+            req.reason = EscalationReason.RACE
+            self.counters.escalations[req.reason.value] = self.counters.escalations.get(req.reason.value, 0) + 1
         self._settle(req)
 
     def _on_cloud_error(self, rid: str, error: Error) -> None:

@@ -185,3 +185,23 @@ def test_bad_escalation_config_is_refused():
         EscalationConfig(server_public_key="a.key")
     with pytest.raises(ValueError):
         CircuitBreaker(failure_threshold=0)
+
+
+@pytest.mark.parametrize("config, kw, races", [
+    (replace(CLOUD, race=True), {"response_format": fleet_plan_format()}, True),
+    (replace(CLOUD, race=True), {}, False),  # plain text: no rule judges it, the robot answers it
+    (replace(CLOUD, race=True), {"response_format": fleet_plan_format(), "escalation": Escalation.LOCAL}, False),
+    (replace(CLOUD, race=True), {"response_format": fleet_plan_format(), "escalation": Escalation.CLOUD}, False),
+    (CLOUD, {"response_format": fleet_plan_format()}, False),  # race off
+    (EscalationConfig(race=True), {"response_format": fleet_plan_format()}, False),  # no cloud
+])
+def test_a_plan_races_the_cloud_only_where_it_may_escalate_and_racing_is_on(config, kw, races):
+    assert EscalationPolicy(config, local_context=100).races(msg(**kw)) is races
+
+
+def test_the_shipped_robot_config_races_its_plans():
+    from pathlib import Path
+
+    from edged.config import EdgeConfig
+
+    assert EdgeConfig.load(Path(__file__).parents[2] / "configs" / "edged.toml").escalation.race

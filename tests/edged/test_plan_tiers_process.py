@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from edged.escalation import EscalationConfig
 from edged.plan_tiers import TierOptions, json_lines, run_tiers
 
 
-def test_the_hybrid_tier_answers_through_edged_and_its_escalations_through_the_cloud(default_model_path, tmp_path):
+@pytest.mark.parametrize("race", [False, True])
+def test_the_hybrid_tier_answers_through_edged_and_its_escalations_through_the_cloud(default_model_path, tmp_path,
+                                                                                     race):
     cloud_config = tmp_path / "cloudd.toml"
     cloud_config.write_text("[engine]\ncompile = false\n")  # start-up in seconds, not a minute
-    unsure = EscalationConfig(min_mean_logprob=0.0)  # no plan is that sure: every one escalates
+    # no plan is that sure: every one escalates, raced (the cloud's answer whoever finishes first) or not
+    unsure = EscalationConfig(min_mean_logprob=0.0, race=race)
     options = TierOptions(tiers=("hybrid",), backend="torch", quant="none", cloud_model=default_model_path,
                           cloud_config=cloud_config, escalation=unsure)
     with json_lines(tmp_path / "records.jsonl") as record:
