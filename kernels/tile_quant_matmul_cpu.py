@@ -37,14 +37,39 @@ def tile_quant_matmul_usable() -> bool:
 
 
 @dataclass(frozen=True)
+class GroupScales:
+    """Each group's scale and minimum of a [N, K] weight, factored as K-quants store them: int8
+    factors per ``group`` columns (``group_scales``, ``group_minimums`` [N, K / group]) times
+    float32 ones per ``super_columns`` (``super_scales``, ``super_minimums`` [N, K / super_columns]).
+    Q4_K: ``d * sc`` and ``-dmin * m`` per 256 columns; Q6_K: ``d * sc`` and ``-32 d * sc``."""
+
+    group_scales: torch.Tensor
+    group_minimums: torch.Tensor
+    super_scales: torch.Tensor
+    super_minimums: torch.Tensor
+    super_columns: int
+
+    @staticmethod
+    def of_floats(scales: torch.Tensor, minimums: torch.Tensor, group: int) -> "GroupScales":
+        """Any float scales and minimums [N, K / group]: factors of 1, a super-group a group."""
+        ones = torch.ones(scales.shape, dtype=torch.int8)
+        return GroupScales(ones, ones, scales.float(), minimums.float(), group)
+
+    def values(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and minimums [N, K / group] in float32."""
+        per_super = self.super_columns // group
+        return (self.super_scales.repeat_interleave(per_super, 1) * self.group_scales.float(),
+                self.super_minimums.repeat_interleave(per_super, 1) * self.group_minimums.float())
+
+
+@dataclass(frozen=True)
 class TileQuantWeight:
     """A [N, K] weight ``scale * code + minimum`` per ``group`` columns of each output, its codes
-    in B-tile order (see the kernel's header): ``codes`` [N / 16, K / 32, 16, 16 * bits / 4] uint8,
-    ``scales`` and ``minimums`` [N / 16, K / group, 16] float32."""
+    in B-tile order (see the kernel's header): ``codes`` [N / 16, K / 32, 16, 16 * bits / 4] uint8;
+    ``scales`` its ``GroupScales``, each tensor [N / 16, columns' groups, 16] (by output block)."""
 
     codes: torch.Tensor
-    scales: torch.Tensor
-    minimums: torch.Tensor
+    scales: GroupScales
     bits: int
     group: int
 
@@ -54,18 +79,23 @@ class TileQuantWeight:
         return blocks * OUTPUTS_PER_TILE, col_tiles * COLUMNS_PER_TILE
 
     @staticmethod
-    def from_codes(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int,
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor | GroupScales, minimums: torch.Tensor | None, bits: int,
                    group: int) -> "TileQuantWeight":
-        """From codes [N, K] (integers in ``[0, CODE_LIMITS[bits])``) and ``scales``/``minimums``
-        [N, K / group]; ValueError where N is not a multiple of 16, K of 32, a code is out of
-        range, or bits/group unsupported."""
+        """From codes [N, K] (integers in ``[0, CODE_LIMITS[bits])``) and float ``scales`` and
+        ``minimums`` [N, K / group], or ``GroupScales`` (``minimums`` None); ValueError where N
+        is not a multiple of 16, K of 32, a code is out of range, or bits, group or the scales'
+        shapes do not fit."""
         n, k = codes.shape
         if bits not in BITS or group not in GROUPS:
             raise ValueError(f"bits must be one of {BITS} and group one of {GROUPS}, got {bits}, {group}")
-        if n % OUTPUTS_PER_TILE or k % COLUMNS_PER_TILE or not scales.shape == minimums.shape == (n, k // group):
-            raise ValueError(f"codes [N, K] with N % 16 == 0 and K % 32 == 0 and scales/minimums [N, K / {group}], "
-                             f"got codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, "
-                             f"minimums {tuple(minimums.shape)}")
+        factored = scales if isinstance(scales, GroupScales) else GroupScales.of_floats(scales, minimums, group)
+        supers = factored.super_columns
+        if (n % OUTPUTS_PER_TILE or k % COLUMNS_PER_TILE or supers % group or k % supers
+                or not factored.group_scales.shape == factored.group_minimums.shape == (n, k // group)
+                or not factored.super_scales.shape == factored.super_minimums.shape == (n, k // supers)):
+            raise ValueError(f"codes [N, K] with N % 16 == 0 and K % 32 == 0 and scales/minimums [N, K / {group}] "
+                             f"(per super-group [N, K / {supers}]), got codes {tuple(codes.shape)}, group scales "
+                             f"{tuple(factored.group_scales.shape)}, super scales {tuple(factored.super_scales.shape)}")
         limit = CODE_LIMITS[bits]
         if codes.numel() and (int(codes.max()) >= limit or int(codes.min()) < 0):
             raise ValueError(f"{bits}-bit codes must be in [0, {limit}), got [{int(codes.min())}, {int(codes.max())}]")
@@ -76,13 +106,16 @@ class TileQuantWeight:
         if bits == 4:  # element i in the low nibble, element 16 + i in the high one
             elements = elements[..., :16] | (elements[..., 16:] << 4)
 
-        def by_block(values: torch.Tensor) -> torch.Tensor:
-            return values.float().view(blocks, OUTPUTS_PER_TILE, -1).transpose(1, 2).contiguous()
+        def by_block(values: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
+            return values.view(blocks, OUTPUTS_PER_TILE, -1).transpose(1, 2).contiguous()
 
-        return TileQuantWeight(elements.contiguous(), by_block(scales), by_block(minimums), bits, group)
+        by_blocks = GroupScales(by_block(factored.group_scales.to(torch.int8)),
+                                by_block(factored.group_minimums.to(torch.int8)),
+                                by_block(factored.super_scales.float()), by_block(factored.super_minimums.float()), supers)
+        return TileQuantWeight(elements.contiguous(), by_blocks, bits, group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The [N, K] weight the kernel multiplies by (before its bf16 rounding), in ``dtype``."""
+        """The [N, K] weight the kernel multiplies by, in ``dtype``."""
         blocks, col_tiles = self.codes.shape[:2]
         if self.bits == 4:
             elements = torch.cat([self.codes & 0x0F, self.codes >> 4], dim=-1)
@@ -91,14 +124,19 @@ class TileQuantWeight:
         codes = elements.view(blocks, col_tiles, 16, OUTPUTS_PER_TILE, 2).permute(0, 3, 1, 2, 4)
         codes = codes.reshape(blocks * OUTPUTS_PER_TILE, col_tiles * COLUMNS_PER_TILE).float()
 
-        def by_output(values: torch.Tensor) -> torch.Tensor:
-            per_output = values.transpose(1, 2).reshape(blocks * OUTPUTS_PER_TILE, -1)
-            return per_output.repeat_interleave(self.group, dim=1)
+        def by_output(values: torch.Tensor) -> torch.Tensor:  # [N / 16, G, 16] -> [N, G]
+            return values.transpose(1, 2).reshape(blocks * OUTPUTS_PER_TILE, -1)
 
-        return torch.addcmul(by_output(self.minimums), codes, by_output(self.scales)).to(dtype)
+        per_output = GroupScales(*(by_output(t) for t in (self.scales.group_scales, self.scales.group_minimums,
+                                                           self.scales.super_scales, self.scales.super_minimums)),
+                                 self.scales.super_columns)
+        scales, minimums = (v.repeat_interleave(self.group, dim=1) for v in per_output.values(self.group))
+        return torch.addcmul(minimums, codes, scales).to(dtype)
 
 
 def tile_quant_matmul(x: torch.Tensor, weight: TileQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [M, K] bf16 times ``weight`` transposed, plus ``bias`` [N] bf16: [M, N] bf16."""
-    return cpu_kernels().tile_quant_matmul(x.contiguous(), weight.codes, weight.scales, weight.minimums, weight.bits,
-                                           weight.group, bias)
+    scales = weight.scales
+    return cpu_kernels().tile_quant_matmul(x.contiguous(), weight.codes, scales.group_scales, scales.group_minimums,
+                                           scales.super_scales, scales.super_minimums, weight.bits, weight.group,
+                                           scales.super_columns, bias)

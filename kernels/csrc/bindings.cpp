@@ -41,7 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("down"), py::arg("bf16_products") = false);
   m.def("tile_quant_matmul", &tile_quant_matmul,
         "x @ W^T on the AMX tiles for a weight in 4- or 8-bit codes with a scale and minimum per group of columns (CPU)",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("minimums"), py::arg("bits"), py::arg("group"),
+        py::arg("x"), py::arg("codes"), py::arg("group_scales"), py::arg("group_minimums"), py::arg("super_scales"),
+        py::arg("super_minimums"), py::arg("bits"), py::arg("group"), py::arg("super_columns"),
         py::arg("bias") = py::none());
   m.def("tile_quant_matmul_usable", &tile_quant_matmul_usable,
         "whether tile_quant_matmul runs here (AMX built and granted)");

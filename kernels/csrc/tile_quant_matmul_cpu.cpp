@@ -10,8 +10,13 @@
 //             weight of output e / 2 (e < 16) or 8 + (e - 16) / 2 (e >= 16), column 2r + e % 2.
 //             4 bits: byte i holds element i in its low nibble and element 16 + i in its high
 //             one; 8 bits: one element a byte (kernels.tile_quant_matmul_cpu.TileQuantWeight)
-//   scales    [N / 16, K / group, 16] float32: output block, column group, output in the block
-//   minimums  the same shape
+//   scales    a group's scale and minimum, factored as K-quants store them: int8 factors per
+//             group, group_scales and group_minimums [N / 16, K / group, 16] (output block,
+//             column group, output in the block), times float32 ones per super-group of
+//             super_columns columns, super_scales and super_minimums [N / 16, K / super_columns,
+//             16]: scale = super_scale * group_scale, minimum = super_minimum * group_minimum
+//             (Q4_K: d * sc and -dmin * m; Q6_K: d * sc and -32 d * sc). A tenth of the bytes of
+//             float32 scales and minimums per group, which were a third of what a step read.
 //   bias      [N] bfloat16 or absent
 //   returns   [M, N] bfloat16
 //
@@ -66,15 +71,31 @@ inline void widen_two_rows(const uint8_t* codes, at::BFloat16* out) {
   }
 }
 
-// A block's 16 per-output values, one a lane.
-inline __m512 block_values(const float* values) { return _mm512_loadu_ps(values); }
+// A group's scales and minimums as factors (see the header), read in place.
+struct GroupScales {
+  const int8_t* group_scales;
+  const int8_t* group_minimums;
+  const float* super_scales;
+  const float* super_minimums;
+  int64_t groups_per_super;
+
+  // block b's 16 outputs' scale and minimum in group g of `groups`
+  void of(int64_t b, int64_t g, int64_t groups, __m512& scale, __m512& minimum) const {
+    const int64_t at = (b * groups + g) * kOuts, super_at = (b * (groups / groups_per_super) + g / groups_per_super) * kOuts;
+    scale = _mm512_mul_ps(_mm512_loadu_ps(super_scales + super_at), widen_factors(group_scales + at));
+    minimum = _mm512_mul_ps(_mm512_loadu_ps(super_minimums + super_at), widen_factors(group_minimums + at));
+  }
+
+  static __m512 widen_factors(const int8_t* factors) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(factors))));
+  }
+};
 
 // Outputs of blocks [b_begin, b_end) for rows [m0, m0 + rows) of x; x_sums [rows, K / group]:
 // each row's sum over each group of columns.
 template <int Bits>
 void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, const float* x_sums,
-                 const uint8_t* codes, const float* scales, const float* minimums, int64_t group,
-                 const at::BFloat16* bias, int64_t n, int64_t b_begin, int64_t b_end, at::BFloat16* y) {
+                 const uint8_t* codes, const GroupScales& scales, int64_t group, const at::BFloat16* bias, int64_t n, int64_t b_begin, int64_t b_end, at::BFloat16* y) {
   constexpr int64_t row_bytes = kOuts * Bits / 4;  // a tile row's codes
   const int64_t groups = k / group, pair_rows = group / 2;
   // tile registers: 0 and 4 a group's sums [rows x 16 outputs] float32 (128 + code as the
@@ -101,9 +122,9 @@ void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, con
     };
     // w = scale * code + minimum: sum(x w) = scale * sum(x (128 + code)) + (minimum - 128 scale) * sum(x)
     const auto add_group = [&](int64_t g) {
-      const __m512 scale = block_values(scales + (b * groups + g) * kOuts);
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(kCodeBias), scale,
-                                             block_values(minimums + (b * groups + g) * kOuts));
+      __m512 scale, minimum;
+      scales.of(b, g, groups, scale, minimum);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(kCodeBias), scale, minimum);
       for (int64_t r = 0; r < rows; ++r) {
         __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums[g & 3] + r * kOuts), scale, _mm512_load_ps(acc + r * kOuts));
         a = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * groups + g]), offset, a);
@@ -172,8 +193,9 @@ constexpr bool kBuilt = false;
 
 bool tile_quant_matmul_usable() { return kBuilt && amx_tiles_usable(); }
 
-torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
-                                int64_t bits, int64_t group, std::optional<torch::Tensor> bias) {
+torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor group_scales,
+                                torch::Tensor group_minimums, torch::Tensor super_scales, torch::Tensor super_minimums,
+                                int64_t bits, int64_t group, int64_t super_columns, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(tile_quant_matmul_usable(), "tile_quant_matmul: this CPU or build has no AMX tiles");
   TORCH_CHECK_VALUE(bits == 4 || bits == 8, "tile_quant_matmul: bits must be 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(group == 16 || group == 32, "tile_quant_matmul: group must be 16 or 32, got ", group);
@@ -185,10 +207,18 @@ torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Ten
                         codes.size(1) == k / kCols && codes.size(2) == 16 && codes.size(3) == kOuts * bits / 4,
                     "tile_quant_matmul: codes must be [N / 16, K / 32, 16, ", kOuts * bits / 4, "] uint8, contiguous");
   const int64_t blocks = codes.size(0), n = blocks * kOuts;
-  for (const auto& t : {scales, minimums}) {
-    TORCH_CHECK_VALUE(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.size(0) == blocks &&
+  TORCH_CHECK_VALUE(super_columns % group == 0 && k % super_columns == 0,
+                    "tile_quant_matmul: super_columns must be a multiple of group dividing K, got ", super_columns);
+  for (const auto& t : {group_scales, group_minimums}) {
+    TORCH_CHECK_VALUE(t.dim() == 3 && t.scalar_type() == torch::kChar && t.is_contiguous() && t.size(0) == blocks &&
                           t.size(1) == k / group && t.size(2) == kOuts,
-                      "tile_quant_matmul: scales and minimums must be [N / 16, K / group, 16] float32, contiguous");
+                      "tile_quant_matmul: group_scales and group_minimums must be [N / 16, K / group, 16] int8, contiguous");
+  }
+  for (const auto& t : {super_scales, super_minimums}) {
+    TORCH_CHECK_VALUE(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.size(0) == blocks &&
+                          t.size(1) == k / super_columns && t.size(2) == kOuts,
+                      "tile_quant_matmul: super_scales and super_minimums must be [N / 16, K / super_columns, 16] "
+                      "float32, contiguous");
   }
   const at::BFloat16* bias_data = nullptr;
   if (bias.has_value()) {
@@ -204,11 +234,12 @@ torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Ten
   const std::vector<float> x_sums = group_sums(xd, m, k, group);
   at::BFloat16* yd = y.data_ptr<at::BFloat16>();
   const uint8_t* cd = codes.data_ptr<uint8_t>();
-  const float *sd = scales.data_ptr<float>(), *md = minimums.data_ptr<float>();
+  const GroupScales scales{group_scales.data_ptr<int8_t>(), group_minimums.data_ptr<int8_t>(),
+                           super_scales.data_ptr<float>(), super_minimums.data_ptr<float>(), super_columns / group};
   // NOTE: blocks in grains of 8 (128 outputs): a 1,536-output projection still splits over the cores
   at::parallel_for(0, blocks, 8, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-      run(xd, m0, std::min(kRows, m - m0), k, x_sums.data() + m0 * (k / group), cd, sd, md, group, bias_data, n,
+      run(xd, m0, std::min(kRows, m - m0), k, x_sums.data() + m0 * (k / group), cd, scales, group, bias_data, n,
           b_begin, b_end, yd);
     }
   });

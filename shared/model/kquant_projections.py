@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from kernels.tile_quant_linear import TileQuantProjection, attach
-from kernels.tile_quant_matmul_cpu import OUTPUTS_PER_TILE, TileQuantWeight
+from kernels.tile_quant_matmul_cpu import OUTPUTS_PER_TILE, GroupScales, TileQuantWeight
 from shared.model.gguf_loader import GGUFTensor, hf_tensor_name, read_config, read_gguf, unpermute_rope
-from shared.model.kquant_codes import KQUANT_TYPES, kquant_codes
+from shared.model.kquant_codes import KQUANT_TYPES, SUPER_BLOCK, kquant_codes
 from shared.model.llama import projection_sources
 from shared.model.model_config import ModelConfig
 
@@ -53,8 +53,8 @@ def _segments(parts: list[GGUFTensor | None], names: list[str], config: ModelCon
             return None
         # q/k rows in HF's order (llama-arch files permute them): the row permutation, as indices
         order = unpermute_rope(torch.arange(codes.codes.shape[0]), name, config)
-        forms.append((codes.bits, codes.group, *(torch.from_numpy(a)[order] for a in
-                                                (codes.codes, codes.scales, codes.minimums))))
+        forms.append((codes.bits, codes.group, *(torch.from_numpy(a)[order] for a in (
+            codes.codes, codes.group_scales, codes.group_minimums, codes.super_scales, codes.super_minimums))))
         part.release()
     segments = []
     start = 0
@@ -63,8 +63,8 @@ def _segments(parts: list[GGUFTensor | None], names: list[str], config: ModelCon
         while end < len(forms) and forms[end][:2] == forms[start][:2]:
             end += 1
         bits, group = forms[start][:2]
-        stacked = [torch.cat([f[i] for f in forms[start:end]]) for i in (2, 3, 4)]
-        segments.append(TileQuantWeight.from_codes(*stacked, bits=bits, group=group))
+        codes, *scales = (torch.cat([f[i] for f in forms[start:end]]) for i in range(2, 7))
+        segments.append(TileQuantWeight.from_codes(codes, GroupScales(*scales, SUPER_BLOCK), None, bits, group))
         start = end
     return tuple(segments)
 

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.tile_quant_matmul_cpu import CODE_LIMITS, TileQuantWeight, tile_quant_matmul, tile_quant_matmul_usable
+from kernels.tile_quant_matmul_cpu import (CODE_LIMITS, GroupScales, TileQuantWeight, tile_quant_matmul,
+                                          tile_quant_matmul_usable)
 
 needs_tiles = pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX (amx_bf16)")
 
@@ -49,6 +50,29 @@ def test_the_product_is_the_dequantized_weights(bits, group, rows, blocks, col_t
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # the output rounded to bf16, float32 sums of exact bf16 x times the exact weights
     assert (got.double() - want).abs().max() <= 2 ** -8 * want.abs().max().item() + 1e-3
+
+
+@needs_tiles
+@settings(max_examples=20, deadline=None)
+@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([16, 32]), per_super=st.sampled_from([1, 2, 8]),
+       rows=st.integers(1, 20), seed=st.integers(0, 99))
+def test_factored_scales_are_their_products(bits, group, per_super, rows, seed):
+    """K-quants' form: an int8 factor per group times a float32 per super-group of columns."""
+    generator = torch.Generator().manual_seed(seed)
+    n, supers = 32, 2
+    k = group * per_super * supers
+    if k % 32:
+        return
+    codes = torch.randint(0, CODE_LIMITS[bits], (n, k), generator=generator)
+    factors = [torch.randint(-64, 64, (n, k // group), generator=generator).to(torch.int8) for _ in range(2)]
+    supers_ = [torch.rand(n, supers, generator=generator) * 1e-3 for _ in range(2)]
+    scales = GroupScales(*factors, *supers_, super_columns=group * per_super)
+    weight = TileQuantWeight.from_codes(codes, scales, None, bits, group)
+    floats = TileQuantWeight.from_codes(codes, *scales.values(group), bits, group)
+    torch.testing.assert_close(weight.dequantize(), floats.dequantize(), rtol=1e-6, atol=1e-9)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    want = x.double() @ floats.dequantize().double().t()
+    assert (tile_quant_matmul(x, weight).double() - want).abs().max() <= 2 ** -8 * want.abs().max().item() + 1e-4
 
 
 @needs_tiles
