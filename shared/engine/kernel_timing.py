@@ -5,8 +5,8 @@
 Each candidate is timed in a few shape buckets that stand for the steps a fleet runs (a batched
 decode step's rows, a prefill step's chunks), the median of a few calls after one warm-up call;
 the whole measurement takes well under a second for SmolLM2-135M and a few seconds for a 1.5B
-model. Timings read nothing but the model's first layer and scratch inputs: the KV pools are
-read, never written.
+model. Timings read nothing but the model's first layer (small steps: every layer, whose
+weights' bytes are their cost) and scratch inputs: the KV pools are read, never written.
 """
 
 from __future__ import annotations
@@ -100,12 +100,14 @@ SMALL_STEP_ROWS = 8  # a plan's token with a few grammar drafts
 
 
 def time_small_steps(runner) -> dict[str, dict[str, float]]:
-    """Every layer's projections and the LM head at ``SMALL_STEP_ROWS`` rows: torch's ``linear`` on the dense
-    weights as loaded, and the K-quant codes' tile kernel. All layers, not the first: a small
-    step's time is its weights' bytes streamed from memory, which one layer's would not show
-    (they stay in cache); packed dense weights would run about 1.4x faster than ``linear`` here."""
+    """Every projection with K-quant codes (the layers', the LM head's) at ``SMALL_STEP_ROWS``
+    rows: torch's ``linear`` on the dense weights as loaded, and the codes' tile kernel. All
+    layers, not the first: a small step's time is its weights' bytes streamed from memory, which
+    one layer's would not show (they stay in cache). Packed dense weights run about 1.4x faster
+    than ``linear`` at these rows; the codes still win by 1.3-1.6x on the 1.5B."""
     model, projections = runner.model, runner.kquant_projections()
     modules = {name: model.get_submodule(name) for name in projections}
+
     def dense(x: torch.Tensor, m) -> torch.Tensor:  # an earlier engine may have packed the weights
         linear = onednn_linear.packed_linear if isinstance(m, onednn_linear.PackedLinear) else F.linear
         return linear(x, m.weight, getattr(m, "bias", None))

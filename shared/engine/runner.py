@@ -16,12 +16,12 @@ from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
 from kernels.onednn_linear import PACKED_LAYERS, PackedHead
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_paired
-from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
-from kernels.triton_decode_attention import launch_programs
-from kernels.triton_layers import TRITON_LAYERS
 from kernels.tile_quant_linear import MAX_ROWS as MAX_SMALL_STEP_ROWS
 from kernels.tile_quant_linear import TILE_QUANT_LAYERS, TileQuantProjection
 from kernels.tile_quant_matmul_cpu import tile_quant_matmul_usable
+from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
+from kernels.triton_decode_attention import launch_programs
+from kernels.triton_layers import TRITON_LAYERS
 from kernels.triton_support import check_tiles
 from shared.engine.block_table_rows import BlockTableRows
 from shared.engine.decode_graphs import DecodeGraphs
