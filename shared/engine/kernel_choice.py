@@ -189,11 +189,16 @@ def fastest(op: str, buckets: Mapping[str, Mapping[str, float]]) -> str:
 def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str, str],
                  measure: Measure | None, cached: KernelPlan | None = None) -> KernelPlan:
     """The plan for operations with ``candidates`` (those available here, per operation): a
-    forced one where ``forced`` names it (ValueError if it is not available here), the only one
+    forced one where ``forced`` names it (ValueError if it, or its operation, is not available
+    here), the only one
     where there is one; without ``measure`` the first one ("default": the path before choices
     were timed, which keeps a test's results independent of timings); else ``fastest`` of the
     timings ``cached`` holds when it timed exactly these candidates, else of
     ``measure(op, available)`` (shape bucket -> candidate -> ms)."""
+    absent = sorted(set(forced) - set(candidates))
+    if absent:
+        raise ValueError(f"kernels forces {', '.join(f'{op}={forced[op]}' for op in absent)}, which this machine or "
+                         f"model lacks (operations with a choice here: {list(candidates)})")
     chosen, how, timings = {}, {}, {}
     for op, available in candidates.items():
         if op in forced:

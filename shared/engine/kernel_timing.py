@@ -46,9 +46,11 @@ def candidates(runner) -> dict[str, tuple[str, ...]]:
     cfg = model.config
     tiles = kernel and runner.kv_layout == "paired" and supports_tiles(cfg.head_dim, runner.dtype, runner.block_size)
     decode = ("rows", "tiles", "cascade") if tiles else ("rows", "cascade") if kernel else ("cascade",)
-    return {"dense": dense, "head": head, "decode_attention": decode,
-            "prefill_attention": ("rows", "gemm") if kernel else ("gemm",),
-            "small_steps": ("dense", "kquant") if runner.has_kquant_codes() else ("dense",)}
+    available = {"dense": dense, "head": head, "decode_attention": decode,
+                 "prefill_attention": ("rows", "gemm") if kernel else ("gemm",)}
+    if runner.has_kquant_codes():
+        available["small_steps"] = ("dense", "kquant")
+    return available
 
 
 def measurer(runner) -> Measure:
