@@ -61,6 +61,14 @@ def _(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None = None) -
     return x.new_empty((x.shape[0], handle.shape[0]))
 
 
+def weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` times ``weight`` transposed plus ``bias``, whichever form the weight is in: a packed
+    weight's handle (int8) through ``packed_linear``, a dense one through ``F.linear``."""
+    if weight.dtype == torch.int8:
+        return packed_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
 class PackedLinear(nn.Module):
     """A bias-optional linear layer whose weight lives only in oneDNN's packed layout.
     ``weight`` is the handle (shape [N, K] like the dense weight, int8, one byte), so a layer

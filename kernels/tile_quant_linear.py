@@ -5,7 +5,7 @@ A projection's ``TileQuantProjection`` is its rows in segments (a fused q/k/v ma
 different formats: q and k Q4_K, v Q6_K), attached to the layer's weight tensor (the dense
 weight or oneDNN's packed handle: ``attach``). ``tile_quant_linear`` is the ``linear`` the layer
 functions take: a weight with a projection attached runs the tile kernel, any other its usual
-product (``packed_linear`` for a handle, ``F.linear`` for a dense weight), so a model with only
+product (``kernels.onednn_linear.weight_linear``), so a model with only
 some projections in K-quants still runs. ``TILE_QUANT_LAYERS`` are the layer functions of small
 steps (``LlamaModel.small_step_functions``).
 """
@@ -17,10 +17,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.layer_math import LayerFunctions, attention_inputs, attention_outputs
-from kernels.onednn_linear import packed_linear
+from kernels.onednn_linear import weight_linear
 from kernels.tile_quant_matmul_cpu import TileQuantWeight, tile_quant_matmul
 
 MAX_ROWS = 16  # a step of more rows runs the dense products (the kernel widens the codes again per 16 rows)
@@ -68,11 +67,7 @@ def tile_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """``x`` [M, K] times ``weight`` transposed plus ``bias``: on its attached K-quant codes
     where it has them, else as the weight's own form multiplies."""
     projection = _ATTACHED.get(weight.data_ptr())
-    if projection is not None:
-        return projection(x, bias)
-    if weight.dtype == torch.int8:  # a packed weight's handle
-        return packed_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return weight_linear(x, weight, bias) if projection is None else projection(x, bias)
 
 
 TILE_QUANT_LAYERS = LayerFunctions(attention_inputs=functools.partial(attention_inputs, linear=tile_quant_linear),
