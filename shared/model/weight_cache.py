@@ -61,11 +61,11 @@ def build_cached_model(ckpt: Checkpoint, dtype: torch.dtype, cache: bool = True)
     """
     if ckpt.source.suffix != ".gguf":
         return build_model(ckpt.config, ckpt.weights, dtype)
-    model = read_converted(converted_file(ckpt.source, dtype), ckpt.config, dtype) if cache else None
+    file = converted_file(ckpt.source, dtype) if cache else None
+    model = read_converted(file, ckpt.config, dtype) if file is not None else None
     if model is None:
         model = build_model(ckpt.config, ckpt.weights, dtype)
-        if cache:
-            file = converted_file(ckpt.source, dtype)
+        if file is not None:
             try:
                 write_converted(model, file)
             except OSError as e:
