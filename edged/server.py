@@ -297,9 +297,11 @@ class EdgeServer(Lane[Prepared]):
 
     # --- cloud ---------------------------------------------------------------------------------
 
+    def _count_escalation(self, reason: EscalationReason) -> None:
+        self.counters.escalations[reason.value] = self.counters.escalations.get(reason.value, 0) + 1
+
     def _escalate(self, req: EdgeRequest) -> None:
-        reason = req.reason.value
-        self.counters.escalations[reason] = self.counters.escalations.get(reason, 0) + 1
+        self._count_escalation(req.reason)
         if req.state.cloud is Cloud.UNASKED:  # (one cancelled meanwhile is answered as it stands)
             if self.cloud is None:
                 self._cloud_failed(req, "no cloud is configured")
@@ -338,7 +340,7 @@ class EdgeServer(Lane[Prepared]):
         req.call.result = result
         if req.reason is None:  # raced: the cloud's plan came first
             req.reason = EscalationReason.RACE
-            self.counters.escalations[req.reason.value] = self.counters.escalations.get(req.reason.value, 0) + 1
+            self._count_escalation(req.reason)
         self._settle(req)
 
     def _on_cloud_error(self, rid: str, error: Error) -> None:
