@@ -111,7 +111,8 @@ class TileQuantWeight:
 
         by_blocks = GroupScales(by_block(factored.group_scales.to(torch.int8)),
                                 by_block(factored.group_minimums.to(torch.int8)),
-                                by_block(factored.super_scales.float()), by_block(factored.super_minimums.float()), supers)
+                                by_block(factored.super_scales.float()), by_block(factored.super_minimums.float()),
+                                supers)
         return TileQuantWeight(elements.contiguous(), by_blocks, bits, group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -40,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("attended"), py::arg("o"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_up"),
         py::arg("down"), py::arg("bf16_products") = false);
   m.def("tile_quant_matmul", &tile_quant_matmul,
-        "x @ W^T on the AMX tiles for a weight in 4- or 8-bit codes with a scale and minimum per group of columns (CPU)",
+        "x @ W^T on the AMX tiles for a weight in 4- or 8-bit codes, a scale and minimum per group of columns (CPU)",
         py::arg("x"), py::arg("codes"), py::arg("group_scales"), py::arg("group_minimums"), py::arg("super_scales"),
         py::arg("super_minimums"), py::arg("bits"), py::arg("group"), py::arg("super_columns"),
         py::arg("bias") = py::none());

@@ -1,6 +1,6 @@
 // x @ W^T for the few rows of a small engine step (a token and its grammar drafts, a short
-// prompt) on the AMX tiles, for a weight kept in 4- or 8-bit codes with a float32 scale and
-// minimum per `group` input columns of each output (w = scale * code + minimum): a GGUF's
+// prompt) on the AMX tiles, for a weight kept in 4- or 8-bit codes with a scale and minimum per
+// `group` input columns of each output (w = scale * code + minimum): a GGUF's
 // K-quant blocks as they are (Q4_K: 4-bit codes, groups of 32; Q6_K: 6-bit codes as bytes,
 // groups of 16), so a step reads a quarter to a half of the bf16 weight's bytes.
 //
@@ -65,7 +65,8 @@ inline void widen_two_rows(const uint8_t* codes, at::BFloat16* out) {
     _mm512_store_si512(reinterpret_cast<__m512i*>(out + 32), _mm512_shuffle_i64x2(low, high, 0xEE));
   } else {
     for (int row = 0; row < 2; ++row) {
-      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * row)));
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * row));
+      const __m512i words = _mm512_cvtepu8_epi16(bytes);
       _mm512_store_si512(reinterpret_cast<__m512i*>(out + 32 * row), _mm512_or_si512(words, bias));
     }
   }
@@ -81,7 +82,8 @@ struct GroupScales {
 
   // block b's 16 outputs' scale and minimum in group g of `groups`
   void of(int64_t b, int64_t g, int64_t groups, __m512& scale, __m512& minimum) const {
-    const int64_t at = (b * groups + g) * kOuts, super_at = (b * (groups / groups_per_super) + g / groups_per_super) * kOuts;
+    const int64_t at = (b * groups + g) * kOuts;
+    const int64_t super_at = (b * (groups / groups_per_super) + g / groups_per_super) * kOuts;
     scale = _mm512_mul_ps(_mm512_loadu_ps(super_scales + super_at), widen_factors(group_scales + at));
     minimum = _mm512_mul_ps(_mm512_loadu_ps(super_minimums + super_at), widen_factors(group_minimums + at));
   }
@@ -95,7 +97,8 @@ struct GroupScales {
 // each row's sum over each group of columns.
 template <int Bits>
 void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, const float* x_sums,
-                 const uint8_t* codes, const GroupScales& scales, int64_t group, const at::BFloat16* bias, int64_t n, int64_t b_begin, int64_t b_end, at::BFloat16* y) {
+                 const uint8_t* codes, const GroupScales& scales, int64_t group, const at::BFloat16* bias, int64_t n,
+                 int64_t b_begin, int64_t b_end, at::BFloat16* y) {
   constexpr int64_t row_bytes = kOuts * Bits / 4;  // a tile row's codes
   const int64_t groups = k / group, pair_rows = group / 2;
   // tile registers: 0 and 4 a group's sums [rows x 16 outputs] float32 (128 + code as the
@@ -163,9 +166,9 @@ void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, con
     for (int64_t pending = std::max<int64_t>(0, g - 2); pending < g; ++pending) add_group(pending);
     for (int64_t r = 0; r < rows; ++r) {
       __m512 a = _mm512_load_ps(acc + r * kOuts);
-      if (bias != nullptr) {
-        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kOuts))), 16)));
+      if (bias != nullptr) {  // bf16 bits widened to float32: the high half of each lane
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kOuts));
+        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * n + b * kOuts), (__m256i)_mm512_cvtneps_pbh(a));
     }
@@ -212,7 +215,8 @@ torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Ten
   for (const auto& t : {group_scales, group_minimums}) {
     TORCH_CHECK_VALUE(t.dim() == 3 && t.scalar_type() == torch::kChar && t.is_contiguous() && t.size(0) == blocks &&
                           t.size(1) == k / group && t.size(2) == kOuts,
-                      "tile_quant_matmul: group_scales and group_minimums must be [N / 16, K / group, 16] int8, contiguous");
+                      "tile_quant_matmul: group_scales and group_minimums must be [N / 16, K / group, 16] int8, "
+                      "contiguous");
   }
   for (const auto& t : {super_scales, super_minimums}) {
     TORCH_CHECK_VALUE(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.size(0) == blocks &&

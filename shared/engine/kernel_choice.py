@@ -190,10 +190,9 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
                  measure: Measure | None, cached: KernelPlan | None = None) -> KernelPlan:
     """The plan for operations with ``candidates`` (those available here, per operation): a
     forced one where ``forced`` names it (ValueError if it, or its operation, is not available
-    here), the only one
-    where there is one; without ``measure`` the first one ("default": the path before choices
-    were timed, which keeps a test's results independent of timings); else ``fastest`` of the
-    timings ``cached`` holds when it timed exactly these candidates, else of
+    here), the only one where there is one; without ``measure`` the first one ("default": the
+    path before choices were timed, which keeps a test's results independent of timings); else
+    ``fastest`` of the timings ``cached`` holds when it timed exactly these candidates, else of
     ``measure(op, available)`` (shape bucket -> candidate -> ms)."""
     absent = sorted(set(forced) - set(candidates))
     if absent:

@@ -41,18 +41,16 @@ class KQuantCodes:
     bits: int  # 4 or 8
     group: int  # 32 (Q4_K) or 16 (Q6_K)
 
-    @property
-    def scales(self) -> np.ndarray:  # [N, K // group] float32
-        return np.repeat(self.super_scales, SUPER_BLOCK // self.group, axis=1) * self.group_scales.astype(np.float32)
-
-    @property
-    def minimums(self) -> np.ndarray:  # [N, K // group] float32
-        return np.repeat(self.super_minimums, SUPER_BLOCK // self.group, axis=1) * self.group_minimums.astype(np.float32)
-
     def dequantize(self) -> np.ndarray:  # [N, K] float32
         n, k = self.codes.shape
+
+        def per_group(super_values: np.ndarray, factors: np.ndarray) -> np.ndarray:  # [N, K // group, 1]
+            return (np.repeat(super_values, SUPER_BLOCK // self.group, axis=1) * factors.astype(np.float32))[..., None]
+
         grouped = self.codes.reshape(n, -1, self.group).astype(np.float32)
-        return (grouped * self.scales[..., None] + self.minimums[..., None]).reshape(n, k)
+        scales, minimums = per_group(self.super_scales, self.group_scales), per_group(self.super_minimums,
+                                                                                       self.group_minimums)
+        return (grouped * scales + minimums).reshape(n, k)
 
 
 def kquant_codes(kind: gguf.GGMLQuantizationType, data: np.ndarray) -> KQuantCodes | None:

@@ -43,7 +43,8 @@ def kquant_projections(gguf_path: Path) -> dict[str, TileQuantProjection]:
     return projections
 
 
-def _segments(parts: list[GGUFTensor | None], names: list[str], config: ModelConfig) -> tuple[TileQuantWeight, ...] | None:
+def _segments(parts: list[GGUFTensor | None], names: list[str],
+              config: ModelConfig) -> tuple[TileQuantWeight, ...] | None:
     """The parts' codes as tile weights, consecutive parts of one format merged into one segment;
     None where a part is missing, in another format, or does not fit the tiles."""
     forms = []
