@@ -44,14 +44,14 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # the head's size again; kernels.onednn_linear.PackedHead)
     "head": ("linear", "packed"),
     # decode rows' attention: the C++ in-place paged kernel (kernels.paged_decode_cpu, vector
-    # code), the same kernel on the AMX tiles (the paired layout on a Xeon with AMX; then the
-    # kernel's other rows too), or the cascade of batched GEMMs over gathered blocks
-    # (kernels.attention)
+    # code), the same kernel on the AMX tiles (the paired layout on a Xeon with AMX), or the
+    # cascade of batched GEMMs over gathered blocks (kernels.attention)
     "decode_attention": ("rows", "tiles", "cascade"),
     # prefill chunks' attention over their cached context: rows of the C++ in-place paged kernel
-    # (kernels.paged_decode_cpu, vector code), or per-chunk GEMMs on the library's matmul (AMX
-    # where the CPU has it) around the C++ softmax (kernels.attention.gemm_attention)
-    "prefill_attention": ("rows", "gemm"),
+    # (kernels.paged_decode_cpu, vector code; the step's decode rows then run in the same call),
+    # the same on the AMX tiles, or per-chunk GEMMs on the library's matmul (AMX where the CPU
+    # has it) around the C++ softmax (kernels.attention.gemm_attention)
+    "prefill_attention": ("rows", "tiles", "gemm"),
     # steps of at most 16 tokens (a plan's token and its grammar drafts): the same products as
     # every step, or the layers' GGUF K-quant codes on the AMX tiles (kernels.tile_quant_linear:
     # a quarter to a half of the bf16 weights' bytes, which such a step's time is; extra memory)

@@ -45,9 +45,9 @@ def candidates(runner) -> dict[str, tuple[str, ...]]:
     kernel = runner.decode_in_place  # the in-place C++ kernel builds here
     cfg = model.config
     tiles = kernel and runner.kv_layout == "paired" and supports_tiles(cfg.head_dim, runner.dtype, runner.block_size)
-    decode = ("rows", "tiles", "cascade") if tiles else ("rows", "cascade") if kernel else ("cascade",)
-    available = {"dense": dense, "head": head, "decode_attention": decode,
-                 "prefill_attention": ("rows", "gemm") if kernel else ("gemm",)}
+    in_place = ("rows", "tiles") if tiles else ("rows",) if kernel else ()
+    available = {"dense": dense, "head": head, "decode_attention": in_place + ("cascade",),
+                 "prefill_attention": in_place + ("gemm",)}
     if runner.has_kquant_codes():
         available["small_steps"] = ("dense", "kquant")
     return available

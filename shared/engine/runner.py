@@ -205,7 +205,8 @@ class ModelRunner:
         bs = self.block_size
         table = [NULL_BLOCK] * -(-num_tokens // bs)
         meta = self._metadata([], [], [(table, 0, num_tokens)], [NULL_BLOCK * bs + i % bs for i in range(num_tokens)],
-                              in_place=self.decode_in_place and self.prefill_attention == "rows")
+                              in_place=self.decode_in_place and self.prefill_attention != "gemm",
+                              tiles=self.prefill_attention == "tiles")
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(tokens, torch.arange(num_tokens, device=self.device), self.kv_caches, self._step(meta))
         self.model.logits(hidden[-1:], dtype=None)
@@ -243,19 +244,19 @@ class ModelRunner:
     def step_batch(self, out: SchedulerOutput, prefill_attention: str | None = None,
                    decode_attention: str | None = None) -> StepBatch:
         """The step's tensors and attention metadata for its attention implementations (default:
-        this runner's, ``apply_plan``). A step's prompt chunks follow ``prefill_attention``:
-        "rows" makes every token of the step, decode rows included, a row of the in-place kernel
-        (``_rows_batch``); "gemm" runs them as GEMM segments (``_segments_batch``). Its decode
-        rows follow ``decode_attention``: "rows" in the in-place kernel, "cascade" as batched
-        GEMMs over gathered blocks, "tiles" in the in-place kernel on the AMX tiles (as are
-        the step's other kernel rows then)."""
+        this runner's, ``apply_plan``). A step with prompt chunks follows ``prefill_attention``:
+        "rows" makes every token of the step, decode rows included, a row of one call of the
+        in-place kernel (``_rows_batch``), "tiles" the same call on the AMX tiles (the prompt
+        rows are most of such a step's attention, so its decode rows take their task); "gemm"
+        runs the chunks as GEMM segments (``_segments_batch``) and the decode rows as below. A
+        step's decode rows otherwise follow ``decode_attention``: "rows" in the in-place kernel,
+        "tiles" the same on the AMX tiles, "cascade" as batched GEMMs over gathered blocks."""
         prefill = prefill_attention or self.prefill_attention
         decode = decode_attention or self.decode_attention
-        tiles = decode == "tiles"  # the in-place kernel's rows, prompt tokens included, on the AMX tiles
         chunks = any(not _as_decode_rows(c) for c in out.prefills)
-        if self._table_rows is not None and (prefill == "rows" if chunks else decode != "cascade"):
-            return self._rows_batch(out, tiles)
-        return self._segments_batch(self._prepare(out), in_place_decodes=decode != "cascade", tiles=tiles)
+        if self._table_rows is not None and (prefill != "gemm" if chunks else decode != "cascade"):
+            return self._rows_batch(out, tiles=(prefill if chunks else decode) == "tiles")
+        return self._segments_batch(self._prepare(out), in_place_decodes=decode != "cascade", tiles=decode == "tiles")
 
     def has_kquant_codes(self) -> bool:
         """Whether small steps can run on the model's GGUF K-quant codes here: a bf16 model read
@@ -288,7 +289,7 @@ class ModelRunner:
             pack_head(self.model)
         prefill = plan.chosen.get("prefill_attention", self.prefill_attention)
         decode = plan.chosen.get("decode_attention", self.decode_attention)
-        if (prefill == "rows" or decode != "cascade") and self._table_rows is None:
+        if (prefill != "gemm" or decode != "cascade") and self._table_rows is None:
             raise ValueError("attention 'rows' or 'tiles' needs the in-place CPU kernel, which this runner lacks")
         self.prefill_attention, self.decode_attention = prefill, decode
         self.kernel_plan = plan

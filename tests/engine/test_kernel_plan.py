@@ -18,6 +18,7 @@ from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.engine.kernel_choice import KernelSpec
 from shared.engine.kernel_timing import candidates, choose_plan
+from shared.engine.runner import MAX_DECODE_ROWS_CHUNK
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.model.model_config import tiny_config
@@ -112,23 +113,48 @@ def test_forcing_rows_without_the_in_place_kernel_is_refused():
 
 
 @pytest.mark.skipif(not supports_tiles(32, torch.bfloat16, BS), reason="the tiles need a CPU with AMX (amx_bf16)")
-def test_decode_rows_on_the_tiles_compute_the_vector_kernels_logits():
+def test_rows_on_the_tiles_compute_the_vector_kernels_logits():
     """bf16 on paired pools (head_dim 32): the AMX task's step logits are the vector task's up to
-    the order of float32 sums, for prompt rows and decode rows alike."""
+    the order of float32 sums, for prompt rows (after cached context, beside a decode row) and
+    decode rows alike; a step with prompt chunks takes the prefill's task, a decode step the
+    decode's."""
     shape = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
     runs = {}
-    for decode in ("rows", "tiles"):
+    for impl in ("rows", "tiles"):
         model = tiny_model(seed=6, **shape).to(torch.bfloat16)
         engine = Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, dtype="bfloat16",
-                                                  kernels=f"decode_attention={decode},prefill_attention=rows"))
+                                                  kernels=f"decode_attention={impl},prefill_attention={impl}"))
         assert engine.runner.kv_layout == "paired"
         a, b = list(range(3, 61)), list(range(7, 50))
-        steps = [SchedulerOutput(prefills=[ScheduledChunk("a", a[:57], 0, [1, 2, 3, 4], sample=True),
+        steps = [SchedulerOutput(prefills=[ScheduledChunk("a", a[:40], 0, [1, 2, 3, 4], sample=True),
                                            ScheduledChunk("b", b, 0, [6, 7, 8], sample=True)]),
+                 SchedulerOutput(decodes=[ScheduledChunk("b", [9], len(b), [6, 7, 8], sample=True)],
+                                 prefills=[ScheduledChunk("a", a[40:57], 40, [1, 2, 3, 4], sample=True)]),
                  SchedulerOutput(decodes=[ScheduledChunk("a", [a[57]], 57, [1, 2, 3, 4], sample=True),
-                                          ScheduledChunk("b", [9], len(b), [6, 7, 8], sample=True)])]
-        assert engine.runner.step_batch(steps[1]).meta.kernel_rows.tiles == (decode == "tiles")
-        runs[decode] = [engine.runner.execute(out).float() for out in steps]
+                                          ScheduledChunk("b", [10], len(b) + 1, [6, 7, 8], sample=True)])]
+        assert all(engine.runner.step_batch(out).meta.kernel_rows.tiles == (impl == "tiles") for out in steps)
+        runs[impl] = [engine.runner.execute(out).float() for out in steps]
         engine.close()
     for rows, tiles in zip(runs["rows"], runs["tiles"], strict=True):
         torch.testing.assert_close(tiles, rows, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.skipif(not supports_tiles(32, torch.bfloat16, BS), reason="the tiles need a CPU with AMX (amx_bf16)")
+@pytest.mark.parametrize(("prefill", "decode", "prompt_step_tiles", "decode_step_tiles"), [
+    ("tiles", "rows", True, False), ("rows", "tiles", False, True), ("gemm", "tiles", True, True)])
+def test_a_step_with_prompt_chunks_takes_the_prefills_task_and_a_decode_step_the_decodes(
+        prefill, decode, prompt_step_tiles, decode_step_tiles):
+    shape = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+    engine = Engine(tiny_model(seed=6, **shape).to(torch.bfloat16), None, EngineConfig(
+        block_size=BS, num_blocks=64, dtype="bfloat16",
+        kernels=f"decode_attention={decode},prefill_attention={prefill}"))
+    # a prompt chunk longer than MAX_DECODE_ROWS_CHUNK after cached context, beside a decode row
+    mixed = SchedulerOutput(decodes=[ScheduledChunk("b", [9], 43, [6, 7, 8], sample=True)],
+                            prefills=[ScheduledChunk("a", list(range(3, 3 + MAX_DECODE_ROWS_CHUNK + 2)), 10,
+                                                     [1, 2, 3, 4], sample=True)])
+    decode_only = SchedulerOutput(decodes=[ScheduledChunk("b", [9], 43, [6, 7, 8], sample=True)])
+    meta = engine.runner.step_batch(mixed).meta
+    assert meta.kernel_rows.tiles == prompt_step_tiles
+    assert bool(meta.prefills) == (prefill == "gemm")  # GEMM segments beside the decode rows in the kernel
+    assert engine.runner.step_batch(decode_only).meta.kernel_rows.tiles == decode_step_tiles
+    engine.close()
