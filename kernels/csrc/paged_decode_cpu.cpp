@@ -750,36 +750,46 @@ template <typename Task>
 struct SpanKeys<Task, std::void_t<decltype(Task::kSpanKeys)>> : std::integral_constant<int64_t, Task::kSpanKeys> {};
 constexpr int64_t kMaxSpanBlocks = 16;
 
-// One task's keys over [first_block * block_size, end) of `table`, for heads [h0, h1): a call
-// of the task per span of blocks (or per block), with the blocks of the call after it to fetch
-// meanwhile (into L2: prefetch_rows).
+// Keys [first_block * block_size, end) of one row's block table, for KV head `kv_head`.
+struct KeyRange {
+  const int64_t* table;
+  int64_t first_block, end, kv_head;
+};
+
+// One task's keys in `range`, for heads [h0, h1): a call of the task per span of blocks (or per
+// block), with the blocks of the call after it to fetch meanwhile (into L2: prefetch_rows); the
+// last call's are the first of `after` (the task's next range, or the next task's first), so
+// that a row's own blocks, read by no one else, are on their way before the row's turn.
 template <typename Task, typename T, int64_t DIM>
-void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const int64_t* table, int64_t first_block,
-                   int64_t end, int64_t h, int64_t kv_heads, int64_t block_size, int64_t h0, int64_t h1) {
+void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const KeyRange& range, const KeyRange* after,
+                   int64_t kv_heads, int64_t block_size, int64_t h0, int64_t h1) {
   constexpr bool paired = Task::kPaired;
   constexpr int64_t span_keys = SpanKeys<Task>::value;
   static_assert(span_keys <= kMaxSpanBlocks * 16, "a span's blocks hold at least 16 keys each");
   const int64_t per_call = span_keys > 0 ? std::clamp<int64_t>(span_keys / block_size, 1, kMaxSpanBlocks) : 1;
-  // the blocks from `first` on, up to per_call of them, and their keys' counts; how many
-  auto take = [&](int64_t first, BlockRef<T>* blocks, int64_t* counts) {
+  // the blocks of `r` from key `first` on, up to per_call of them, and their keys' counts; how many
+  auto take = [&](const KeyRange& r, int64_t first, BlockRef<T>* blocks, int64_t* counts) {
     int64_t n = 0;
-    for (int64_t at = first; at < end && n < per_call; at += block_size, ++n) {
-      blocks[n] = block_ref<paired, T, DIM>(k_cache, v_cache, table[at / block_size], h, kv_heads, block_size);
-      counts[n] = std::min(block_size, end - at);
+    for (int64_t at = first; at < r.end && n < per_call; at += block_size, ++n) {
+      blocks[n] = block_ref<paired, T, DIM>(k_cache, v_cache, r.table[at / block_size], r.kv_head, kv_heads, block_size);
+      counts[n] = std::min(block_size, r.end - at);
     }
     return n;
   };
   BlockRef<T> blocks[kMaxSpanBlocks], next[kMaxSpanBlocks];
   int64_t counts[kMaxSpanBlocks], next_counts[kMaxSpanBlocks];
-  int64_t n = take(first_block * block_size, blocks, counts);
-  for (int64_t first = first_block * block_size; n > 0; first += per_call * block_size) {
-    const int64_t next_n = take(first + per_call * block_size, next, next_counts);
+  int64_t n = take(range, range.first_block * block_size, blocks, counts);
+  for (int64_t first = range.first_block * block_size; n > 0; first += per_call * block_size) {
+    int64_t next_n = take(range, first + per_call * block_size, next, next_counts);
+    const bool last = next_n == 0;
+    if (last && after != nullptr) next_n = take(*after, after->first_block * block_size, next, next_counts);
     if constexpr (span_keys > 0) {
       task.span(blocks, counts, n, next, next_n, h0, h1);
     } else {
       if (next_n > 0) prefetch_block<paired, T, DIM>(next[0], next_counts[0]);
       task.block(blocks[0], counts[0], h0, h1);
     }
+    if (last) break;
     std::copy(next, next + next_n, blocks);
     std::copy(next_counts, next_counts + next_n, counts);
     n = next_n;
@@ -792,22 +802,38 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                  int64_t max_blocks, float scale) {
   const int64_t group = heads / kv_heads;
   const std::vector<RowGroup> groups = group_rows(tables, lens, order, rows, max_blocks, block_size, kMaxHeads / group);
+  // task w's ranges: its rows' shared blocks (if any), then each row's own; how many
+  auto ranges_of = [&](int64_t w, KeyRange* ranges) {
+    const RowGroup& rg = groups[w / kv_heads];
+    const int64_t h = w % kv_heads;
+    int64_t n = 0;
+    if (rg.shared > 0) ranges[n++] = {tables + order[rg.begin] * max_blocks, 0, rg.shared * block_size, h};
+    for (int64_t i = 0; i < rg.size; ++i) {
+      const int64_t r = order[rg.begin + i];
+      ranges[n++] = {tables + r * max_blocks, rg.shared, lens[r], h};
+    }
+    return n;
+  };
   at::parallel_for(0, static_cast<int64_t>(groups.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     auto task = std::make_unique<Task>();
+    KeyRange ranges[kMaxHeads + 1], following[kMaxHeads + 1];
     for (int64_t w = begin; w < end; ++w) {
       const RowGroup& rg = groups[w / kv_heads];
       const int64_t h = w % kv_heads;
+      const int64_t count = ranges_of(w, ranges);
+      const KeyRange* next_task = w + 1 < end && ranges_of(w + 1, following) > 0 ? following : nullptr;
       const T* queries[kMaxHeads];
       for (int64_t i = 0; i < rg.size; ++i)
         for (int64_t j = 0; j < group; ++j) queries[i * group + j] = q + (order[rg.begin + i] * heads + h * group + j) * DIM;
       task->begin(queries, rg.size * group, scale);
-      if (rg.shared > 0)
-        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, tables + order[rg.begin] * max_blocks, 0,
-                                    rg.shared * block_size, h, kv_heads, block_size, 0, rg.size * group);
-      for (int64_t i = 0; i < rg.size; ++i) {
+      const int64_t own = count - rg.size;  // the first row's range: after the shared one, if any
+      for (int64_t k = 0; k < count; ++k) {
+        const KeyRange* after = k + 1 < count ? &ranges[k + 1] : next_task;
+        const int64_t i = k - own;  // the row whose own blocks these are (-1: the shared ones)
+        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, ranges[k], after, kv_heads, block_size,
+                                    i < 0 ? 0 : i * group, i < 0 ? rg.size * group : (i + 1) * group);
+        if (i < 0) continue;
         const int64_t r = order[rg.begin + i];
-        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, tables + r * max_blocks, rg.shared, lens[r], h, kv_heads,
-                                    block_size, i * group, (i + 1) * group);
         for (int64_t j = 0; j < group; ++j) {
           const int64_t head = r * heads + h * group + j;
           task->write(i * group + j, out + head * DIM, lse == nullptr ? nullptr : lse + head);
