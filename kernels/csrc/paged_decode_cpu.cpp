@@ -88,10 +88,10 @@ inline void prefetch_block(const BlockRef<T>& b, int64_t count) {
   prefetch_rows<T, DIM>(b.v, PAIRED ? DIM : b.stride, PAIRED ? b.stride : count);
 }
 
-// A task's heads: up to kMaxHeads query heads of one KV head, from one or several rows. Both
-// task types take them the same way: begin() with each head's query, block() for a block's keys
-// over a contiguous range of those heads (a shared prefix: all of them; a row's own blocks:
-// its group), write() each head's result.
+// A task's heads: up to kMaxHeads query heads of one KV head, from one or several rows. Every
+// task type takes them the same way: begin() with each head's query, block() for a block's keys
+// (or span() for several blocks': the AMX task) over a contiguous range of those heads (a shared
+// prefix: all of them; a row's own blocks: its group), write() each head's result.
 constexpr int64_t kMaxHeads = 16;
 
 // The portable task: any dtype and head dim, loops the compiler vectorizes. DIM is the head
@@ -452,7 +452,8 @@ struct AmxDecodeTask {
 
   // Heads [h0, h1) over `n` blocks' keys (the first `counts[i]` of block i; all but the last
   // block full), at most kSpanKeys in all. The `next_n` blocks of the next span are fetched
-  // meanwhile, a block's keys beside each tile's scores and its values beside each tile's p . v.
+  // meanwhile, a block's keys beside each tile's scores and its values beside each tile's p . v
+  // (the rest after them, where the next span has more blocks than this one tiles).
   void span(const BlockRef<at::BFloat16>* blocks, const int64_t* counts, int64_t n, const BlockRef<at::BFloat16>* next,
             int64_t next_n, int64_t h0, int64_t h1) {
     const at::BFloat16* key_pairs[kSpanTiles];  // each tile's first key in its block's K slab
@@ -472,6 +473,7 @@ struct AmxDecodeTask {
       score(key_pairs[j], strides[j]);
       _tile_stored(5, scores + j * kTile, kSpanKeys * sizeof(float));
     }
+    for (int64_t j = tiles; j < next_n; ++j) prefetch_rows<at::BFloat16, DIM>(next[j].k, DIM, next[j].stride);
     softmax(tiles, last, h0, h1);
     // a partial tile's slots past `last` may hold anything (NaN in a never-written slab): the
     // unit would add 0 x NaN, so their values are zeros in a copy
@@ -486,6 +488,7 @@ struct AmxDecodeTask {
       }
       _tile_stored(5, pv + d * 16, DIM * sizeof(float));
     }
+    for (int64_t j = tiles; j < next_n; ++j) prefetch_rows<at::BFloat16, DIM>(next[j].v, DIM, next[j].stride);
     for (int64_t g = h0; g < h1; ++g) {
       const __m512 corr = _mm512_set1_ps(correction[g]);
       for (int64_t j = 0; j < DIM; j += 16)
