@@ -458,22 +458,26 @@ struct AmxDecodeTask {
             int64_t next_n, int64_t h0, int64_t h1) {
     const at::BFloat16* key_pairs[kSpanTiles];  // each tile's first key in its block's K slab
     const at::BFloat16* value_pairs[kSpanTiles];
-    int64_t strides[kSpanTiles];
+    const int64_t stride = blocks[0].stride;  // every block's: keys in a K slab's pair row
     int64_t tiles = 0, last = kTile;  // keys in the last tile
     for (int64_t i = 0; i < n; ++i)
       for (int64_t t0 = 0; t0 < counts[i]; t0 += kTile, ++tiles) {
         key_pairs[tiles] = blocks[i].k + t0 * 2;
         value_pairs[tiles] = blocks[i].v + t0 / 2 * DIM * 2;
-        strides[tiles] = blocks[i].stride;
         last = std::min(kTile, counts[i] - t0);
       }
+    // the next span's blocks [from, to): their keys or their values
+    auto fetch = [&](int64_t from, int64_t to, bool keys) {
+      for (int64_t j = from; j < std::min(to, next_n); ++j)
+        prefetch_rows<at::BFloat16, DIM>(keys ? next[j].k : next[j].v, DIM, next[j].stride);
+    };
     for (int64_t j = 0; j < tiles; ++j) {
-      if (j < next_n) prefetch_rows<at::BFloat16, DIM>(next[j].k, DIM, next[j].stride);
+      fetch(j, j + 1, true);
       _tile_zero(5);
-      score(key_pairs[j], strides[j]);
+      score(key_pairs[j], stride);
       _tile_stored(5, scores + j * kTile, kSpanKeys * sizeof(float));
     }
-    for (int64_t j = tiles; j < next_n; ++j) prefetch_rows<at::BFloat16, DIM>(next[j].k, DIM, next[j].stride);
+    fetch(tiles, next_n, true);
     softmax(tiles, last, h0, h1);
     // a partial tile's slots past `last` may hold anything (NaN in a never-written slab): the
     // unit would add 0 x NaN, so their values are zeros in a copy
@@ -481,14 +485,14 @@ struct AmxDecodeTask {
     for (int64_t d = 0; d < DIM / 16; ++d) {
       _tile_zero(5);
       for (int64_t j = 0; j < tiles; ++j) {
-        if (d == 0 && j < next_n) prefetch_rows<at::BFloat16, DIM>(next[j].v, DIM, next[j].stride);
+        if (d == 0) fetch(j, j + 1, false);
         _tile_loadd(6, probs + j * kTile, kSpanKeys * sizeof(at::BFloat16));
         _tile_loadd(7, value_pairs[j] + d * 16 * 2, DIM * 2 * sizeof(at::BFloat16));
         _tile_dpbf16ps(5, 6, 7);
       }
       _tile_stored(5, pv + d * 16, DIM * sizeof(float));
     }
-    for (int64_t j = tiles; j < next_n; ++j) prefetch_rows<at::BFloat16, DIM>(next[j].v, DIM, next[j].stride);
+    fetch(tiles, next_n, false);
     for (int64_t g = h0; g < h1; ++g) {
       const __m512 corr = _mm512_set1_ps(correction[g]);
       for (int64_t j = 0; j < DIM; j += 16)
@@ -820,28 +824,32 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   at::parallel_for(0, static_cast<int64_t>(groups.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     auto task = std::make_unique<Task>();
     KeyRange ranges[kMaxHeads + 1], following[kMaxHeads + 1];
+    int64_t count = ranges_of(begin, ranges);
     for (int64_t w = begin; w < end; ++w) {
       const RowGroup& rg = groups[w / kv_heads];
       const int64_t h = w % kv_heads;
-      const int64_t count = ranges_of(w, ranges);
-      const KeyRange* next_task = w + 1 < end && ranges_of(w + 1, following) > 0 ? following : nullptr;
+      const int64_t next_count = w + 1 < end ? ranges_of(w + 1, following) : 0;
+      // what each range's last span fetches: the range after it, or the next task's first
+      auto after = [&](int64_t k) { return k + 1 < count ? &ranges[k + 1] : next_count > 0 ? following : nullptr; };
       const T* queries[kMaxHeads];
       for (int64_t i = 0; i < rg.size; ++i)
         for (int64_t j = 0; j < group; ++j) queries[i * group + j] = q + (order[rg.begin + i] * heads + h * group + j) * DIM;
       task->begin(queries, rg.size * group, scale);
       const int64_t own = count - rg.size;  // the first row's range: after the shared one, if any
-      for (int64_t k = 0; k < count; ++k) {
-        const KeyRange* after = k + 1 < count ? &ranges[k + 1] : next_task;
-        const int64_t i = k - own;  // the row whose own blocks these are (-1: the shared ones)
-        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, ranges[k], after, kv_heads, block_size,
-                                    i < 0 ? 0 : i * group, i < 0 ? rg.size * group : (i + 1) * group);
-        if (i < 0) continue;
+      if (own > 0)
+        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, ranges[0], after(0), kv_heads, block_size, 0,
+                                    rg.size * group);
+      for (int64_t i = 0; i < rg.size; ++i) {
+        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, ranges[own + i], after(own + i), kv_heads, block_size,
+                                    i * group, (i + 1) * group);
         const int64_t r = order[rg.begin + i];
         for (int64_t j = 0; j < group; ++j) {
           const int64_t head = r * heads + h * group + j;
           task->write(i * group + j, out + head * DIM, lse == nullptr ? nullptr : lse + head);
         }
       }
+      std::copy(following, following + next_count, ranges);
+      count = next_count;
     }
   });
 }

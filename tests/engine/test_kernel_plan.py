@@ -25,6 +25,7 @@ from shared.model.model_config import tiny_config
 from tests.engine.tiny import dense_logits, tiny_model
 
 BS = 16
+TILES_SHAPE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}  # paired pools: head_dim 32
 IN_PLACE = supports_in_place_decode(tiny_config().head_dim, torch.float32)
 PACKING = ("linear", "packed") if onednn_linear.supported(torch.float32) else ("linear",)
 PLANS = [f"dense={d},head={h},decode_attention={a},prefill_attention={p}"
@@ -118,10 +119,9 @@ def test_rows_on_the_tiles_compute_the_vector_kernels_logits():
     the order of float32 sums, for prompt rows (after cached context, beside a decode row) and
     decode rows alike; a step with prompt chunks takes the prefill's task, a decode step the
     decode's."""
-    shape = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
     runs = {}
     for impl in ("rows", "tiles"):
-        model = tiny_model(seed=6, **shape).to(torch.bfloat16)
+        model = tiny_model(seed=6, **TILES_SHAPE).to(torch.bfloat16)
         engine = Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, dtype="bfloat16",
                                                   kernels=f"decode_attention={impl},prefill_attention={impl}"))
         assert engine.runner.kv_layout == "paired"
@@ -144,8 +144,7 @@ def test_rows_on_the_tiles_compute_the_vector_kernels_logits():
     ("tiles", "rows", True, False), ("rows", "tiles", False, True), ("gemm", "tiles", True, True)])
 def test_a_step_with_prompt_chunks_takes_the_prefills_task_and_a_decode_step_the_decodes(
         prefill, decode, prompt_step_tiles, decode_step_tiles):
-    shape = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
-    engine = Engine(tiny_model(seed=6, **shape).to(torch.bfloat16), None, EngineConfig(
+    engine = Engine(tiny_model(seed=6, **TILES_SHAPE).to(torch.bfloat16), None, EngineConfig(
         block_size=BS, num_blocks=64, dtype="bfloat16",
         kernels=f"decode_attention={decode},prefill_attention={prefill}"))
     # a prompt chunk longer than MAX_DECODE_ROWS_CHUNK after cached context, beside a decode row
