@@ -22,8 +22,6 @@ from kernels.layer_math import LayerFunctions, attention_inputs, attention_outpu
 from kernels.onednn_linear import weight_linear
 from kernels.tile_quant_matmul_cpu import TileQuantWeight, tile_quant_matmul
 
-MAX_ROWS = 16  # a step of more rows runs the dense products (the kernel widens the codes again per 16 rows)
-
 _ATTACHED: dict[int, "TileQuantProjection"] = {}  # a weight's data address -> its projection
 
 

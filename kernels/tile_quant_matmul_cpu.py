@@ -1,5 +1,5 @@
-"""Few-row products on the AMX tiles over a weight kept in its GGUF's K-quant codes
-(``csrc/tile_quant_matmul_cpu.cpp``).
+"""Few-row products on the AMX tiles, or in AVX-512 BF16 vectors where the CPU has no AMX, over a
+weight kept in its GGUF's K-quant codes (``csrc/tile_quant_matmul_cpu.cpp``).
 
 A small engine step (a plan's token with its grammar drafts: 1-16 rows) reads every weight
 once and does little arithmetic with it, so its time is the weights' bytes: on a 2-core Xeon the
@@ -10,7 +10,10 @@ order the kernel widens them into the matrix unit's B tiles; ``tile_quant_matmul
 by the exact weights ``scale * code + minimum`` (a model that dequantized the GGUF to bf16 holds
 them rounded), up to float32 rounding.
 
-Needs the CPU kernels built with AMX and the tiles granted (``tile_quant_matmul_usable``).
+Two paths over the same layout (``PATHS``): ``tiles`` (a Xeon with AMX; the cost is one widening
+of the codes whatever the rows) and ``vectors`` (VDPBF16PS, a CPU with AVX-512 BF16 and no AMX,
+such as an AMD EPYC: its arithmetic grows with the rows, so it pays for the fewest:
+``max_rows``). ``tile_quant_matmul_usable`` says whether either runs here.
 """
 
 from __future__ import annotations
@@ -30,10 +33,31 @@ BITS = (4, 8)
 CODE_LIMITS = {4: 16, 8: 128}
 
 
+PATHS = ("tiles", "vectors")
+# the most rows a small step runs on the codes per path: the tiles' time barely grows with rows
+# (16 is one tile of x); the vectors' grows with every row, past the dense products' at ~8-12
+# rows of the 1.5B on a 2-core EPYC (docs/engine-speed.md)
+MAX_ROWS = {"tiles": 16, "vectors": 8}
+
+
 def tile_quant_matmul_usable() -> bool:
-    """Whether this build and process have the kernel (AMX built and granted)."""
+    """Whether this build and process have the kernel (AMX built and granted, or AVX-512 BF16)."""
     module = cpu_kernels()
     return module is not None and module.tile_quant_matmul_usable()
+
+
+def tile_quant_paths() -> tuple[str, ...]:
+    """The paths that run here, the default first: ``tiles`` where AMX is built and granted,
+    ``vectors`` wherever the kernel runs (empty where it does not)."""
+    if not tile_quant_matmul_usable():
+        return ()
+    return PATHS if cpu_kernels().tile_quant_matmul_on_tiles() else ("vectors",)
+
+
+def max_rows() -> int:
+    """The most rows a small step should run on the codes here (0 where the kernel does not run)."""
+    paths = tile_quant_paths()
+    return MAX_ROWS[paths[0]] if paths else 0
 
 
 @dataclass(frozen=True)
@@ -135,9 +159,13 @@ class TileQuantWeight:
         return torch.addcmul(minimums, codes, scales).to(dtype)
 
 
-def tile_quant_matmul(x: torch.Tensor, weight: TileQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [M, K] bf16 times ``weight`` transposed, plus ``bias`` [N] bf16: [M, N] bf16."""
+def tile_quant_matmul(x: torch.Tensor, weight: TileQuantWeight, bias: torch.Tensor | None = None,
+                      path: str | None = None) -> torch.Tensor:
+    """``x`` [M, K] bf16 times ``weight`` transposed, plus ``bias`` [N] bf16: [M, N] bf16, on
+    ``path`` (one of ``tile_quant_paths()``; None: the first)."""
+    if path is not None and path not in tile_quant_paths():
+        raise ValueError(f"path {path!r} does not run here; these do: {tile_quant_paths()}")
     scales = weight.scales
     return cpu_kernels().tile_quant_matmul(x.contiguous(), weight.codes, scales.group_scales, scales.group_minimums,
                                            scales.super_scales, scales.super_minimums, weight.bits, weight.group,
-                                           scales.super_columns, bias)
+                                           scales.super_columns, bias, vectors=path == "vectors")

@@ -40,10 +40,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("attended"), py::arg("o"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_up"),
         py::arg("down"), py::arg("bf16_products") = false);
   m.def("tile_quant_matmul", &tile_quant_matmul,
-        "x @ W^T on the AMX tiles for a weight in 4- or 8-bit codes, a scale and minimum per group of columns (CPU)",
+        "x @ W^T on the AMX tiles (else AVX-512 BF16 vectors) for a weight in 4- or 8-bit codes, a scale and "
+        "minimum per group of columns (CPU)",
         py::arg("x"), py::arg("codes"), py::arg("group_scales"), py::arg("group_minimums"), py::arg("super_scales"),
         py::arg("super_minimums"), py::arg("bits"), py::arg("group"), py::arg("super_columns"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("vectors") = false);
   m.def("tile_quant_matmul_usable", &tile_quant_matmul_usable,
-        "whether tile_quant_matmul runs here (AMX built and granted)");
+        "whether tile_quant_matmul runs here (AMX built and granted, or AVX-512 BF16 built)");
+  m.def("tile_quant_matmul_on_tiles", &tile_quant_matmul_on_tiles,
+        "whether tile_quant_matmul runs on the AMX tiles here (else in AVX-512 BF16 vectors)");
 }

@@ -46,14 +46,17 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor 
                            int64_t bits, bool bf16_products);
 torch::Tensor block_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums, int64_t bits);
 
-// x @ W^T on the AMX tiles for a few rows of bf16 x and a weight kept in 4- or 8-bit codes with a
-// scale and minimum per group of 16 or 32 columns (int8 factors of float32 ones per super-group),
-// in B-tile order (tile_quant_matmul_cpu.cpp);
-// tile_quant_matmul_usable() says whether this build and process have the tiles.
+// x @ W^T on the AMX tiles (else in AVX-512 BF16 vectors) for a few rows of bf16 x and a weight
+// kept in 4- or 8-bit codes with a scale and minimum per group of 16 or 32 columns (int8 factors
+// of float32 ones per super-group), in B-tile order (tile_quant_matmul_cpu.cpp);
+// tile_quant_matmul_usable() says whether this build and process run it (tiles or vectors),
+// tile_quant_matmul_on_tiles() whether on the tiles.
 torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor group_scales,
                                 torch::Tensor group_minimums, torch::Tensor super_scales, torch::Tensor super_minimums,
-                                int64_t bits, int64_t group, int64_t super_columns, std::optional<torch::Tensor> bias);
+                                int64_t bits, int64_t group, int64_t super_columns, std::optional<torch::Tensor> bias,
+                                bool vectors);
 bool tile_quant_matmul_usable();
+bool tile_quant_matmul_on_tiles();
 
 // A block weight as Python passes it: (packed, scales, minimums, bits), as block_matmul takes them.
 using BlockWeightArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;

@@ -1,5 +1,6 @@
 // x @ W^T for the few rows of a small engine step (a token and its grammar drafts, a short
-// prompt) on the AMX tiles, for a weight kept in 4- or 8-bit codes with a scale and minimum per
+// prompt) on the AMX tiles, or where the CPU has no AMX in AVX-512 BF16 vectors over the same
+// layout, for a weight kept in 4- or 8-bit codes with a scale and minimum per
 // `group` input columns of each output (w = scale * code + minimum): a GGUF's
 // K-quant blocks as they are (Q4_K: 4-bit codes, groups of 32; Q6_K: 6-bit codes as bytes,
 // groups of 16), so a step reads a quarter to a half of the bf16 weight's bytes.
@@ -29,6 +30,14 @@
 // widened two groups ahead and the sums scaled two behind, so neither a tile load nor the
 // vector reads of a tile store wait on stores still in flight. Bit-identical results for a row
 // whatever rows come with it. Measured in docs/engine-speed.md.
+//
+// Without AMX (an AMD EPYC with AVX-512 BF16), the same layout feeds VDPBF16PS: a tile row is 16
+// outputs' column pair, which is what one vector's 16 float32 lanes sum (lane o: x[2r] w[o, 2r] +
+// x[2r+1] w[o, 2r+1]) against the row's pair of x broadcast. The codes are widened in registers,
+// once per 8 rows of x, and each row's group sums are scaled as above. The vector unit does
+// M times the tiles' arithmetic, so this path pays for rows where the tiles barely do: it wins
+// over the dense bf16 products only for the fewest rows (kSmallRows; measured in
+// docs/engine-speed.md). Bit-identical for a row whatever rows come with it here too.
 
 #include "amx_tiles.h"
 #include "cpu_kernels.h"
@@ -45,30 +54,31 @@ namespace {
 constexpr int64_t kOuts = 16;   // outputs a B tile holds
 constexpr int64_t kCols = 32;   // columns a B tile holds (16 pairs)
 constexpr int64_t kRows = 16;   // rows of x a tile holds
+constexpr int64_t kVectorRows = 8;  // rows of x the vector path sums at once (its registers: two a row)
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr bool kBuilt = true;
+#if defined(__AVX512BF16__)
+constexpr bool kVectorBuilt = true;
 constexpr int64_t kCodeBias = 128;  // bf16 bits 0x4300 | q stand for 128 + q exactly, for q < 128
 
-// Tile rows r and r + 1 of a group's codes as bf16 (128 + code) into out (two rows of 32).
+// Tile rows r and r + 1 of a group's codes as bf16 (128 + code), 32 values a row.
 // 4 bits: 32 bytes, byte i of a row holding element i (low nibble) and 16 + i (high nibble);
 // 8 bits: a row's 32 bytes, read one row at a time.
 template <int Bits>
-inline void widen_two_rows(const uint8_t* codes, at::BFloat16* out) {
+inline void widen_two_rows(const uint8_t* codes, __m512i& row0, __m512i& row1) {
   const __m512i bias = _mm512_set1_epi16(0x4300);
   if constexpr (Bits == 4) {
     const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
     const __m512i low = _mm512_ternarylogic_epi32(words, _mm512_set1_epi16(0x0F), bias, 0xEA);  // (w & 15) | bias
     const __m512i high = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias);
     // 128-bit lanes: low = [row r 0-7, 8-15 | row r+1 0-7, 8-15], high the same for elements 16-31
-    _mm512_store_si512(reinterpret_cast<__m512i*>(out), _mm512_shuffle_i64x2(low, high, 0x44));
-    _mm512_store_si512(reinterpret_cast<__m512i*>(out + 32), _mm512_shuffle_i64x2(low, high, 0xEE));
+    row0 = _mm512_shuffle_i64x2(low, high, 0x44);
+    row1 = _mm512_shuffle_i64x2(low, high, 0xEE);
   } else {
-    for (int row = 0; row < 2; ++row) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * row));
-      const __m512i words = _mm512_cvtepu8_epi16(bytes);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 32 * row), _mm512_or_si512(words, bias));
-    }
+    const auto widen = [&](const uint8_t* row) {
+      return _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))), bias);
+    };
+    row0 = widen(codes);
+    row1 = widen(codes + 32);
   }
 }
 
@@ -92,6 +102,89 @@ struct GroupScales {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(factors))));
   }
 };
+
+// Each row's sum of x over each group of columns, in float32: [rows, K / group].
+std::vector<float> group_sums(const at::BFloat16* x, int64_t rows, int64_t k, int64_t group) {
+  std::vector<float> out(rows * (k / group));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < group; ++j) sum += static_cast<float>(x[r * k + g * group + j]);
+      out[r * (k / group) + g] = sum;
+    }
+  }
+  return out;
+}
+
+// One row's 16 outputs of block b (float32 sums, plus the bias where given) as bf16 into y_row.
+inline void store_outputs(__m512 sums, const at::BFloat16* bias, int64_t b, at::BFloat16* y_row) {
+  if (bias != nullptr) {  // bf16 bits widened to float32: the high half of each lane
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kOuts));
+    sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_row + b * kOuts), (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+// Outputs of blocks [b_begin, b_end) for Rows rows of x from m0, in vectors; x_sums [Rows, K /
+// group]: each row's sum over each group of columns. Per 16 outputs, each row's sums over a
+// group in a register (128 + code as the weights), scaled into its accumulator at the group's end.
+template <int Bits, int Rows>
+void vector_block_range(const at::BFloat16* x, int64_t m0, int64_t k, const float* x_sums, const uint8_t* codes,
+                        const GroupScales& scales, int64_t group, const at::BFloat16* bias, int64_t n,
+                        int64_t b_begin, int64_t b_end, at::BFloat16* y) {
+  constexpr int64_t row_bytes = kOuts * Bits / 4;  // a tile row's codes
+  const int64_t groups = k / group, pair_rows = group / 2;
+  // x as column pairs: row m's pair p is one 32-bit word
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x + m0 * k);
+  const int64_t pairs_per_row = k / 2;
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    const uint8_t* block_codes = codes + b * (k / kCols) * 16 * row_bytes;
+    __m512 acc[Rows];
+    for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sums[Rows];
+      for (int m = 0; m < Rows; ++m) sums[m] = _mm512_setzero_ps();
+      for (int64_t r = 0; r < pair_rows; r += 2) {
+        __m512i row0, row1;
+        widen_two_rows<Bits>(block_codes + (g * pair_rows + r) * row_bytes, row0, row1);
+        const int64_t p = g * pair_rows + r;
+        for (int m = 0; m < Rows; ++m) {
+          const int32_t* row_pairs = pairs + m * pairs_per_row + p;
+          sums[m] = _mm512_dpbf16_ps(sums[m], (__m512bh)row0, (__m512bh)_mm512_set1_epi32(row_pairs[0]));
+          sums[m] = _mm512_dpbf16_ps(sums[m], (__m512bh)row1, (__m512bh)_mm512_set1_epi32(row_pairs[1]));
+        }
+      }
+      __m512 scale, minimum;
+      scales.of(b, g, groups, scale, minimum);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(kCodeBias), scale, minimum);
+      for (int m = 0; m < Rows; ++m) {
+        acc[m] = _mm512_fmadd_ps(sums[m], scale, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[m * groups + g]), offset, acc[m]);
+      }
+    }
+    for (int m = 0; m < Rows; ++m) store_outputs(acc[m], bias, b, y + (m0 + m) * n);
+  }
+}
+
+// A vector_block_range for 1 to kVectorRows rows.
+template <int Bits>
+void vector_rows(int64_t rows, const at::BFloat16* x, int64_t m0, int64_t k, const float* x_sums,
+                 const uint8_t* codes, const GroupScales& scales, int64_t group, const at::BFloat16* bias, int64_t n,
+                 int64_t b_begin, int64_t b_end, at::BFloat16* y) {
+  using Range = void (*)(const at::BFloat16*, int64_t, int64_t, const float*, const uint8_t*, const GroupScales&,
+                         int64_t, const at::BFloat16*, int64_t, int64_t, int64_t, at::BFloat16*);
+  static constexpr Range by_rows[kVectorRows] = {
+      vector_block_range<Bits, 1>, vector_block_range<Bits, 2>, vector_block_range<Bits, 3>,
+      vector_block_range<Bits, 4>, vector_block_range<Bits, 5>, vector_block_range<Bits, 6>,
+      vector_block_range<Bits, 7>, vector_block_range<Bits, 8>};
+  by_rows[rows - 1](x, m0, k, x_sums, codes, scales, group, bias, n, b_begin, b_end, y);
+}
+#else
+constexpr bool kVectorBuilt = false;
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kTilesBuilt = true;
 
 // Outputs of blocks [b_begin, b_end) for rows [m0, m0 + rows) of x; x_sums [rows, K / group]:
 // each row's sum over each group of columns.
@@ -120,7 +213,10 @@ void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, con
     const auto widen = [&](int64_t g) {
       if (g >= groups) return;
       for (int64_t r = 0; r < pair_rows; r += 2) {
-        widen_two_rows<Bits>(block_codes + (g * pair_rows + r) * row_bytes, widened[g & 3] + r * 32);
+        __m512i row0, row1;
+        widen_two_rows<Bits>(block_codes + (g * pair_rows + r) * row_bytes, row0, row1);
+        _mm512_store_si512(reinterpret_cast<__m512i*>(widened[g & 3] + r * 32), row0);
+        _mm512_store_si512(reinterpret_cast<__m512i*>(widened[g & 3] + (r + 1) * 32), row1);
       }
     };
     // w = scale * code + minimum: sum(x w) = scale * sum(x (128 + code)) + (minimum - 128 scale) * sum(x)
@@ -164,42 +260,26 @@ void block_range(const at::BFloat16* x, int64_t m0, int64_t rows, int64_t k, con
       add_group(g);
     }
     for (int64_t pending = std::max<int64_t>(0, g - 2); pending < g; ++pending) add_group(pending);
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 a = _mm512_load_ps(acc + r * kOuts);
-      if (bias != nullptr) {  // bf16 bits widened to float32: the high half of each lane
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kOuts));
-        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * n + b * kOuts), (__m256i)_mm512_cvtneps_pbh(a));
-    }
+    for (int64_t r = 0; r < rows; ++r) store_outputs(_mm512_load_ps(acc + r * kOuts), bias, b, y + (m0 + r) * n);
   }
   _tile_release();
 }
 
-// Each row's sum of x over each group of columns, in float32: [rows, K / group].
-std::vector<float> group_sums(const at::BFloat16* x, int64_t rows, int64_t k, int64_t group) {
-  std::vector<float> out(rows * (k / group));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < k / group; ++g) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < group; ++j) sum += static_cast<float>(x[r * k + g * group + j]);
-      out[r * (k / group) + g] = sum;
-    }
-  }
-  return out;
-}
 #else
-constexpr bool kBuilt = false;
+constexpr bool kTilesBuilt = false;
 #endif
 
 }  // namespace
 
-bool tile_quant_matmul_usable() { return kBuilt && amx_tiles_usable(); }
+bool tile_quant_matmul_on_tiles() { return kTilesBuilt && amx_tiles_usable(); }
+
+bool tile_quant_matmul_usable() { return kVectorBuilt || tile_quant_matmul_on_tiles(); }
 
 torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor group_scales,
                                 torch::Tensor group_minimums, torch::Tensor super_scales, torch::Tensor super_minimums,
-                                int64_t bits, int64_t group, int64_t super_columns, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(tile_quant_matmul_usable(), "tile_quant_matmul: this CPU or build has no AMX tiles");
+                                int64_t bits, int64_t group, int64_t super_columns, std::optional<torch::Tensor> bias,
+                                bool vectors) {
+  TORCH_CHECK(tile_quant_matmul_usable(), "tile_quant_matmul: this CPU or build has neither AMX tiles nor AVX-512 BF16");
   TORCH_CHECK_VALUE(bits == 4 || bits == 8, "tile_quant_matmul: bits must be 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(group == 16 || group == 32, "tile_quant_matmul: group must be 16 or 32, got ", group);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
@@ -232,19 +312,29 @@ torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Ten
     bias_data = bias->data_ptr<at::BFloat16>();
   }
   auto y = torch::empty({m, n}, x.options());
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const auto run = bits == 4 ? block_range<4> : block_range<8>;
+#if defined(__AVX512BF16__)
   const at::BFloat16* xd = x.data_ptr<at::BFloat16>();
   const std::vector<float> x_sums = group_sums(xd, m, k, group);
   at::BFloat16* yd = y.data_ptr<at::BFloat16>();
   const uint8_t* cd = codes.data_ptr<uint8_t>();
   const GroupScales scales{group_scales.data_ptr<int8_t>(), group_minimums.data_ptr<int8_t>(),
                            super_scales.data_ptr<float>(), super_minimums.data_ptr<float>(), super_columns / group};
+  const bool tiles = !vectors && tile_quant_matmul_on_tiles();
+  const int64_t rows_at_once = tiles ? kRows : kVectorRows;
   // NOTE: blocks in grains of 8 (128 outputs): a 1,536-output projection still splits over the cores
   at::parallel_for(0, blocks, 8, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-      run(xd, m0, std::min(kRows, m - m0), k, x_sums.data() + m0 * (k / group), cd, scales, group, bias_data, n,
-          b_begin, b_end, yd);
+    for (int64_t m0 = 0; m0 < m; m0 += rows_at_once) {
+      const int64_t rows = std::min(rows_at_once, m - m0);
+      const float* sums = x_sums.data() + m0 * (k / group);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (tiles) {
+        (bits == 4 ? block_range<4> : block_range<8>)(xd, m0, rows, k, sums, cd, scales, group, bias_data, n,
+                                                      b_begin, b_end, yd);
+        continue;
+      }
+#endif
+      (bits == 4 ? vector_rows<4> : vector_rows<8>)(rows, xd, m0, k, sums, cd, scales, group, bias_data, n, b_begin,
+                                                    b_end, yd);
     }
   });
 #endif

@@ -52,9 +52,10 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # the same on the AMX tiles, or per-chunk GEMMs on the library's matmul (AMX where the CPU
     # has it) around the C++ softmax (kernels.attention.gemm_attention)
     "prefill_attention": ("rows", "tiles", "gemm"),
-    # steps of at most 16 tokens (a plan's token and its grammar drafts): the same products as
-    # every step, or the layers' GGUF K-quant codes on the AMX tiles (kernels.tile_quant_linear:
-    # a quarter to a half of the bf16 weights' bytes, which such a step's time is; extra memory)
+    # steps of a few tokens (a plan's token and its grammar drafts; at most 16 on the AMX tiles, 8
+    # in AVX-512 BF16 vectors): the same products as every step, or the layers' GGUF K-quant codes
+    # (kernels.tile_quant_linear: a quarter to a half of the bf16 weights' bytes, which such a
+    # step's time is; extra memory)
     "small_steps": ("dense", "kquant"),
 }
 

@@ -16,8 +16,8 @@ from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
 from kernels.onednn_linear import PACKED_LAYERS, PackedHead
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_paired
-from kernels.tile_quant_linear import MAX_ROWS as MAX_SMALL_STEP_ROWS
 from kernels.tile_quant_linear import TILE_QUANT_LAYERS, TileQuantProjection
+from kernels.tile_quant_matmul_cpu import max_rows as max_small_step_rows
 from kernels.tile_quant_matmul_cpu import tile_quant_matmul_usable
 from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionStep
 from kernels.triton_decode_attention import launch_programs
@@ -260,7 +260,8 @@ class ModelRunner:
 
     def has_kquant_codes(self) -> bool:
         """Whether small steps can run on the model's GGUF K-quant codes here: a bf16 model read
-        from a GGUF with Q4_K/Q6_K layer weights, on a CPU whose kernels have the AMX tiles."""
+        from a GGUF with Q4_K/Q6_K layer weights, on a CPU whose kernels have the AMX tiles or
+        AVX-512 BF16 (``kernels.tile_quant_matmul_cpu``)."""
         source = self.model.gguf_source
         return (self.kernels == "torch" and self.device.type == "cpu" and self.dtype == torch.bfloat16
                 and source is not None and tile_quant_matmul_usable() and has_kquant_projections(source))
@@ -283,7 +284,7 @@ class ModelRunner:
         if plan.chosen.get("small_steps") == "kquant":
             projections = self.kquant_projections()
             attach_projections(self.model, {m: p for m, p in projections.items() if m != "lm_head"})
-            self.model.use_small_step_functions(TILE_QUANT_LAYERS, MAX_SMALL_STEP_ROWS, projections.get("lm_head"))
+            self.model.use_small_step_functions(TILE_QUANT_LAYERS, max_small_step_rows(), projections.get("lm_head"))
         self._kquant = None  # attached (the weights hold them) or not chosen: not kept here
         if plan.chosen.get("head") == "packed":
             pack_head(self.model)

@@ -1,6 +1,7 @@
-"""The K-quant codes' tile kernel (``kernels.tile_quant_matmul_cpu``) against plain torch over the
-dequantized weight, at random shapes; a row's result whatever rows come with it; bad weights
-refused. Skipped, with the reason, where the CPU or build has no AMX tiles."""
+"""The K-quant codes' kernel (``kernels.tile_quant_matmul_cpu``) against plain torch over the
+dequantized weight, at random shapes, on each path this CPU runs (the AMX tiles, AVX-512 BF16
+vectors); a row's result whatever rows come with it; bad weights refused. A path this CPU or
+build lacks is skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.tile_quant_matmul_cpu import (CODE_LIMITS, GroupScales, TileQuantWeight, tile_quant_matmul,
-                                          tile_quant_matmul_usable)
+from kernels.tile_quant_matmul_cpu import (CODE_LIMITS, PATHS, GroupScales, TileQuantWeight, max_rows,
+                                          tile_quant_matmul, tile_quant_paths)
 
-needs_tiles = pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX (amx_bf16)")
+NEEDS = {"tiles": "a CPU with AMX (amx_bf16)", "vectors": "a CPU with AVX-512 BF16 (avx512_bf16)"}
+each_path = pytest.mark.parametrize("path", [
+    pytest.param(path, marks=pytest.mark.skipif(path not in tile_quant_paths(), reason=f"this path needs {NEEDS[path]}"))
+    for path in PATHS])
 
 
 def random_weight(n: int, k: int, bits: int, group: int, generator: torch.Generator) -> TileQuantWeight:
@@ -36,27 +40,27 @@ def test_the_weight_is_its_codes_times_scales_plus_minimums(bits, group, blocks,
     torch.testing.assert_close(weight.dequantize().double(), want, rtol=1e-6, atol=1e-6)
 
 
-@needs_tiles
+@each_path
 @settings(max_examples=30, deadline=None)
 @given(bits=st.sampled_from([4, 8]), group=st.sampled_from([16, 32]), rows=st.integers(1, 40), blocks=st.integers(1, 5),
        col_tiles=st.integers(1, 5), bias=st.booleans(), seed=st.integers(0, 99))
-def test_the_product_is_the_dequantized_weights(bits, group, rows, blocks, col_tiles, bias, seed):
+def test_the_product_is_the_dequantized_weights(path, bits, group, rows, blocks, col_tiles, bias, seed):
     generator = torch.Generator().manual_seed(seed)
     weight = random_weight(16 * blocks, 32 * col_tiles, bits, group, generator)
     x = torch.randn(rows, 32 * col_tiles, generator=generator).bfloat16()
     b = torch.randn(16 * blocks, generator=generator).bfloat16() if bias else None
-    got = tile_quant_matmul(x, weight, b)
+    got = tile_quant_matmul(x, weight, b, path)
     want = x.double() @ weight.dequantize().double().t() + (0 if b is None else b.double())
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # the output rounded to bf16, float32 sums of exact bf16 x times the exact weights
     assert (got.double() - want).abs().max() <= 2 ** -8 * want.abs().max().item() + 1e-3
 
 
-@needs_tiles
+@each_path
 @settings(max_examples=20, deadline=None)
 @given(bits=st.sampled_from([4, 8]), group=st.sampled_from([16, 32]), per_super=st.sampled_from([1, 2, 8]),
        rows=st.integers(1, 20), seed=st.integers(0, 99))
-def test_factored_scales_are_their_products(bits, group, per_super, rows, seed):
+def test_factored_scales_are_their_products(path, bits, group, per_super, rows, seed):
     """K-quants' form: an int8 factor per group times a float32 per super-group of columns."""
     generator = torch.Generator().manual_seed(seed)
     n, supers = 32, 2
@@ -72,17 +76,28 @@ def test_factored_scales_are_their_products(bits, group, per_super, rows, seed):
     torch.testing.assert_close(weight.dequantize(), floats.dequantize(), rtol=1e-6, atol=1e-9)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     want = x.double() @ floats.dequantize().double().t()
-    assert (tile_quant_matmul(x, weight).double() - want).abs().max() <= 2 ** -8 * want.abs().max().item() + 1e-4
+    assert (tile_quant_matmul(x, weight, path=path).double() - want).abs().max() <= 2 ** -8 * want.abs().max().item() + 1e-4
 
 
-@needs_tiles
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+@each_path
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(path):
     generator = torch.Generator().manual_seed(5)
     weight = random_weight(64, 160, 4, 32, generator)
     x = torch.randn(21, 160, generator=generator).bfloat16()
-    together = tile_quant_matmul(x, weight)
-    for row in (0, 7, 16, 20):
-        assert torch.equal(tile_quant_matmul(x[row:row + 1], weight)[0], together[row])
+    together = tile_quant_matmul(x, weight, path=path)
+    for row in (0, 7, 8, 16, 20):
+        assert torch.equal(tile_quant_matmul(x[row:row + 1], weight, path=path)[0], together[row])
+
+
+def test_a_path_that_does_not_run_here_is_refused():
+    weight = random_weight(16, 32, 4, 32, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="does not run here"):
+        tile_quant_matmul(torch.zeros(1, 32, dtype=torch.bfloat16), weight, path="registers")
+
+
+def test_the_row_limit_is_the_default_paths():
+    paths = tile_quant_paths()
+    assert max_rows() == (0 if not paths else 16 if paths[0] == "tiles" else 8)
 
 
 @pytest.mark.parametrize("codes, scales, bits, group, problem", [

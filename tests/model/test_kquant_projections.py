@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cloudd.teacher_forcing import teacher_forced_logprobs
-from kernels.tile_quant_linear import MAX_ROWS, TILE_QUANT_LAYERS
-from kernels.tile_quant_matmul_cpu import tile_quant_matmul_usable
+from kernels.tile_quant_linear import TILE_QUANT_LAYERS
+from kernels.tile_quant_matmul_cpu import max_rows, tile_quant_matmul_usable
 from shared.model.gguf_loader import read_gguf
 from shared.model.kquant_codes import kquant_codes
 from shared.model.kquant_projections import attach_projections, has_kquant_projections, kquant_projections
@@ -70,16 +70,16 @@ def test_a_projection_with_a_part_in_another_format_keeps_its_dense_product(mixe
     assert sorted({m.split(".", 2)[2] for m in kquant_projections(mixed_file)}) == ["mlp.down_proj"]
 
 
-@pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX (amx_bf16)")
+@pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX or AVX-512 BF16")
 @pytest.mark.parametrize("file", ["kquant_file", "mixed_file"])
 def test_small_steps_on_the_codes_give_the_dense_models_log_probabilities(file, request):
     path = request.getfixturevalue(file)
     dense, _ = load_model(path, torch.bfloat16, cache=False)
     quant, _ = load_model(path, torch.bfloat16, cache=False)
     assert attach_projections(quant, kquant_projections(path)) > 0
-    quant.use_small_step_functions(TILE_QUANT_LAYERS, MAX_ROWS)
-    prompt, continuation = [5, 9, 77, 130, 2, 41], [17, 250, 3, 96, 12]
-    assert len(prompt) + len(continuation) - 1 <= MAX_ROWS  # one small step
+    quant.use_small_step_functions(TILE_QUANT_LAYERS, max_rows())
+    prompt, continuation = [5, 9, 77, 130], [17, 250, 3, 96]
+    assert len(prompt) + len(continuation) - 1 <= max_rows()  # one small step
     exact = teacher_forced_logprobs(load_model(path, torch.float32, cache=False)[0], prompt, continuation)
     want = teacher_forced_logprobs(dense, prompt, continuation)
     got = teacher_forced_logprobs(quant, prompt, continuation)
@@ -90,7 +90,7 @@ def test_small_steps_on_the_codes_give_the_dense_models_log_probabilities(file, 
     torch.testing.assert_close(teacher_forced_logprobs(quant, prompt, continuation), want)
 
 
-@pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX (amx_bf16)")
+@pytest.mark.skipif(not tile_quant_matmul_usable(), reason="the kernel needs a CPU with AMX or AVX-512 BF16")
 def test_an_engine_forced_to_kquant_small_steps_runs_them_and_says_so(kquant_file, tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETSERVE_CACHE_DIR", str(tmp_path / "cache"))
     from shared.engine.engine import Engine
@@ -103,7 +103,7 @@ def test_an_engine_forced_to_kquant_small_steps_runs_them_and_says_so(kquant_fil
         assert engine.runner.kernel_plan.chosen["small_steps"] == "kquant"
         assert "small_steps=kquant (forced)" in engine.runner.kernel_plan.describe()
         model = engine.runner.model
-        assert model.small_step_functions is TILE_QUANT_LAYERS and model.small_step_max_tokens == MAX_ROWS
+        assert model.small_step_functions is TILE_QUANT_LAYERS and model.small_step_max_tokens == max_rows()
         [request] = engine.generate([[5, 9, 77, 130]], SamplingParams(max_tokens=6, temperature=0.0))
         assert len(request.output_token_ids) == 6
     finally:
