@@ -23,6 +23,15 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the large
 DTYPES = [d for d in TOLERANCE if onednn_linear.supported(d)]
 
 
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 logits of the same weights, within ``TOLERANCE`` of the largest: oneDNN's packed
+    kernels sum in another order than torch's ``linear``, and each order differs by CPU, so a
+    logit near 0 may be off by more than 1e-4 of itself (1.1e-4 in a logit of 0.07 on an AMD
+    EPYC, where they reach 71)."""
+    torch.testing.assert_close(got, want, rtol=TOLERANCE[torch.float32],
+                               atol=TOLERANCE[torch.float32] * want.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 70), k=st.integers(1, 96), n=st.integers(1, 80), bias=st.booleans(), seed=st.integers(0, 99))
@@ -63,7 +72,7 @@ def test_a_packed_models_forward_is_the_dense_ones(compiled):
     if compiled:
         packed.compile_layers(min_tokens=2)
     ids = list(range(3, 40))
-    torch.testing.assert_close(dense_logits(packed, ids), dense_logits(dense, ids), rtol=1e-4, atol=1e-4)
+    assert_same_logits(dense_logits(packed, ids), dense_logits(dense, ids))
 
 
 def test_a_mapped_models_packed_forward_is_its_dense_one_and_released_pages_read_back_the_same(tmp_path, monkeypatch):
@@ -77,7 +86,7 @@ def test_a_mapped_models_packed_forward_is_its_dense_one_and_released_pages_read
     pack_layer_linears(model)
     model.use_layer_functions(PACKED_LAYERS)
     ids = list(range(2, 30))
-    torch.testing.assert_close(dense_logits(model, ids), dense_logits(reference, ids), rtol=1e-4, atol=1e-4)
+    assert_same_logits(dense_logits(model, ids), dense_logits(reference, ids))
     for name, weight in weights.items():  # released: a reader still sees the file's bytes
         mapped.release(weight)
         assert torch.equal(weight, copies[name])
