@@ -3,7 +3,8 @@
 the softmax with log-sum-exp of the GEMM attention
 (``kernels.softmax_lse_cpu``), each row's next token, greedy or drawn (``kernels.sample_cpu``), and
 the block-quantized weights' matmul of edged's batch-1 forwards (``kernels.block_matmul_cpu``), and
-the K-quant weights' few-row products on the AMX tiles (``kernels.tile_quant_matmul_cpu``).
+the K-quant weights' few-row products on the AMX tiles or in AVX-512 BF16 vectors
+(``kernels.tile_quant_matmul_cpu``).
 
 Built on first use by torch's extension tooling (g++ and ninja, ``-O3 -march=native``) into
 torch's extension cache, rebuilt when a source or the flags change; ``python -m

@@ -4,7 +4,7 @@
 A projection's ``TileQuantProjection`` is its rows in segments (a fused q/k/v may hold parts of
 different formats: q and k Q4_K, v Q6_K), attached to the layer's weight tensor (the dense
 weight or oneDNN's packed handle: ``attach``). ``tile_quant_linear`` is the ``linear`` the layer
-functions take: a weight with a projection attached runs the tile kernel, any other its usual
+functions take: a weight with a projection attached runs the codes' kernel, any other its usual
 product (``kernels.onednn_linear.weight_linear``), so a model with only
 some projections in K-quants still runs. ``TILE_QUANT_LAYERS`` are the layer functions of small
 steps (``LlamaModel.small_step_functions``).

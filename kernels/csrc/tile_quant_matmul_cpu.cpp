@@ -34,9 +34,9 @@
 // Without AMX (an AMD EPYC with AVX-512 BF16), the same layout feeds VDPBF16PS: a tile row is 16
 // outputs' column pair, which is what one vector's 16 float32 lanes sum (lane o: x[2r] w[o, 2r] +
 // x[2r+1] w[o, 2r+1]) against the row's pair of x broadcast. The codes are widened in registers,
-// once per 8 rows of x, and each row's group sums are scaled as above. The vector unit does
-// M times the tiles' arithmetic, so this path pays for rows where the tiles barely do: it wins
-// over the dense bf16 products only for the fewest rows (kSmallRows; measured in
+// once per 8 rows of x, and each row's group sums are scaled as above. The vectors' arithmetic
+// grows with every row where the tiles' barely does, so this path beats the dense bf16 products
+// only for the fewest rows (at most 8: kernels/tile_quant_matmul_cpu.py's MAX_ROWS, measured in
 // docs/engine-speed.md). Bit-identical for a row whatever rows come with it here too.
 
 #include "amx_tiles.h"

@@ -103,10 +103,12 @@ SMALL_STEP_ROWS = 8  # a plan's token with a few grammar drafts
 
 def time_small_steps(runner) -> dict[str, dict[str, float]]:
     """Every projection with K-quant codes (the layers', the LM head's) at ``SMALL_STEP_ROWS``
-    rows: torch's ``linear`` on the dense weights as loaded, and the codes' tile kernel. All
+    rows: torch's ``linear`` on the dense weights as loaded, and the codes' kernel (its default path
+    here: the AMX tiles, else AVX-512 BF16 vectors). All
     layers, not the first: a small step's time is its weights' bytes streamed from memory, which
     one layer's would not show (they stay in cache). Packed dense weights run about 1.4x faster
-    than ``linear`` at these rows; the codes still win by 1.3-1.6x on the 1.5B."""
+    than ``linear`` at these rows; the codes still win by 1.3-1.6x on the 1.5B on a Xeon's tiles,
+    2x in an EPYC's vectors."""
     model, projections = runner.model, runner.kquant_projections()
     modules = {name: model.get_submodule(name) for name in projections}
     with torch.inference_mode():

@@ -1,5 +1,5 @@
 """A GGUF model's layer projections as their K-quant codes (``shared.model.kquant_codes``), for the
-small steps' tile kernel (``kernels.tile_quant_linear``): the same weights the dense model holds
+small steps' codes kernel (``kernels.tile_quant_linear``: AMX tiles or AVX-512 BF16 vectors): the same weights the dense model holds
 (its bf16 weights are these codes dequantized, then rounded), a quarter to a half of their bytes.
 
 A projection gets a form only where every part of it (q, k and v; gate and up) is Q4_K or Q6_K
