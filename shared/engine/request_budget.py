@@ -11,13 +11,18 @@ limits (``shared.engine.grammar.limits``) keep ordinary requests far below it; t
 catches what no static check sees. The step's heaviest request is kept (``heaviest``) for a
 daemon's ``/health``.
 
-The meters read ``WorkMeter.timer``: ``time.thread_time``, the engine thread's CPU time, so a
-request is charged its own work and never the time the thread waited for a core or the GIL
-(a loaded host must not end requests). A test sets a fake timer on the class or on one meter.
+The meters read ``WorkMeter.timer``: ``own_cpu_time``, the engine thread's CPU time less what
+Python's cyclic garbage collector took on it. So a request is charged its own work, never the
+time the thread waited for a core or the GIL (a loaded host must not end requests), nor a
+collection that happened to start inside its grammar call: a full collection in a process with
+a model loaded takes 0.1-0.5 s, the whole process's garbage, no request's. A test sets a fake
+timer on the class or on one meter.
 """
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -26,11 +31,42 @@ from dataclasses import dataclass
 Timer = Callable[[], float]
 
 
+class CollectorFreeClock:
+    """A thread's seconds on ``base`` (its CPU time), less those the garbage collector took on it.
+
+    A collection runs on the thread whose allocation set it off; ``on_collect``, registered in
+    ``gc.callbacks``, adds each one's seconds to that thread's total, which every reading
+    subtracts. Readings are per thread and never run backwards."""
+
+    def __init__(self, base: Timer = time.thread_time) -> None:
+        self.base = base
+        self._thread = threading.local()  # .started (the running collection's), .collected
+
+    def on_collect(self, phase: str, info: dict) -> None:
+        """``gc.callbacks``' hook: ``phase`` is "start" or "stop"."""
+        if phase == "start":
+            self._thread.started = self.base()
+        elif (started := getattr(self._thread, "started", None)) is not None:
+            self._thread.collected = self.collected() + self.base() - started
+            self._thread.started = None
+
+    def collected(self) -> float:
+        """The seconds the collector has taken on this thread so far."""
+        return getattr(self._thread, "collected", 0.0)
+
+    def __call__(self) -> float:
+        return self.base() - self.collected()
+
+
+own_cpu_time = CollectorFreeClock()
+gc.callbacks.append(own_cpu_time.on_collect)
+
+
 class WorkMeter:
     """Seconds of one request's own work since the last ``take``; used on the engine's thread.
-    It reads ``timer``: the class's (``time.thread_time``) unless one is set on the meter."""
+    It reads ``timer``: the class's (``own_cpu_time``) unless one is set on the meter."""
 
-    timer: Timer = staticmethod(time.thread_time)
+    timer: Timer = staticmethod(own_cpu_time)
 
     def __init__(self) -> None:
         self.seconds = 0.0
