@@ -1,6 +1,7 @@
 """`cloudd agreement`: how far a compute dtype's greedy output strays from float32's on a
 trace's plan prompts (by default the first 100 requests of a fleet trace, the robot tasks the
-grammar tests run).
+grammar tests run), with the kernels the config forces (``--kernels dense=int8``: int8
+products); the float32 reference runs the default ones.
 
 Per request, the greedy continuation of ``tokens`` tokens (EOS ignored) through the engine in
 float32 (the reference) and in the compared dtype. Reported:
@@ -26,6 +27,7 @@ from cloudd.teacher_forcing import teacher_forced_logprobs
 from cloudd.trace import TraceRequest
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
+from shared.engine.kernel_choice import KernelSpec
 from shared.engine.kv.radix import common_prefix_len
 from shared.engine.sampling_params import SamplingParams
 from shared.model.checkpoint import Checkpoint
@@ -35,7 +37,7 @@ from shared.model.weight_cache import build_cached_model
 
 @dataclass(frozen=True)
 class Agreement:
-    dtype: str
+    dtype: str  # and the kernels it forced: "bfloat16 (auto,dense=int8)"
     requests: int
     tokens: int  # per continuation
     greedy_exact: float
@@ -53,17 +55,19 @@ def measure_agreement(ckpt: Checkpoint, requests: list[TraceRequest], dtype: str
     start = time.perf_counter()
     prompts = [ckpt.tokenizer.encode_chat(list(r.messages)) for r in requests]
     log(f"greedy, float32 (reference), {len(prompts)} requests x {tokens} tokens ...")
+    plain = KernelSpec.parse(config.kernels).backend
     reference = greedy_outputs(ckpt, build_cached_model(ckpt, torch.float32), prompts, tokens,
-                        dataclasses.replace(config, dtype="float32"))
-    log(f"greedy, {dtype} ...")
+                               dataclasses.replace(config, dtype="float32", kernels=plain))
+    label = dtype if config.kernels == plain else f"{dtype} ({config.kernels})"
+    log(f"greedy, {label} ...")
     compared_config = dataclasses.replace(config, dtype=dtype)
     model = build_cached_model(ckpt, compared_config.torch_dtype)
     compared = greedy_outputs(ckpt, model, prompts, tokens, compared_config)
     prefixes = [common_prefix_len(a, b) / tokens for a, b in zip(compared, reference, strict=True)]
-    log(f"teacher-forced top-1, {dtype} ...")
+    log(f"teacher-forced top-1, {label} ...")
     hits = sum(_teacher_forced_hits(model, p, ref) for p, ref in zip(prompts, reference, strict=True))
     return Agreement(
-        dtype=dtype, requests=len(prompts), tokens=tokens,
+        dtype=label, requests=len(prompts), tokens=tokens,
         greedy_exact=sum(p == 1.0 for p in prefixes) / len(prefixes),
         greedy_prefix=sum(prefixes) / len(prefixes),
         top1=hits / (tokens * len(prompts)),

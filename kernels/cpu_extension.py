@@ -4,7 +4,7 @@ the softmax with log-sum-exp of the GEMM attention
 (``kernels.softmax_lse_cpu``), each row's next token, greedy or drawn (``kernels.sample_cpu``), and
 the block-quantized weights' matmul of edged's batch-1 forwards (``kernels.block_matmul_cpu``), and
 the K-quant weights' few-row products on the AMX tiles or in AVX-512 BF16 vectors
-(``kernels.tile_quant_matmul_cpu``).
+(``kernels.tile_quant_matmul_cpu``), and the passes around the int8 products (``kernels.int8_linear``).
 
 Built on first use by torch's extension tooling (g++ and ninja, ``-O3 -march=native``) into
 torch's extension cache, rebuilt when a source or the flags change; ``python -m
@@ -25,7 +25,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode_cpu.cpp", "kv_layout_cpu.cpp", "softmax_lse_cpu.cpp", "sample_cpu.cpp", "token_bitmask_cpu.cpp",
-           "block_matmul_cpu.cpp", "block_layer_cpu.cpp", "tile_quant_matmul_cpu.cpp", "bindings.cpp")
+           "block_matmul_cpu.cpp", "block_layer_cpu.cpp", "tile_quant_matmul_cpu.cpp", "int8_rows_cpu.cpp",
+           "bindings.cpp")
 
 
 @functools.cache

@@ -5,7 +5,7 @@ implementation of those halves a model runs.
 
 These are the reference numerics: ``shared.model.llama`` runs them, and the device kernels
 (``kernels.triton_layers``, ``kernels.triton_rms_norm``, ``kernels.triton_rotary_kv``,
-``kernels.onednn_linear``) reproduce or reuse them.
+``kernels.weight_forms``) reproduce or reuse them.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def attention_inputs(
     linear: Linear = nn.functional.linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, heads, D], k and v [T, kv_heads, D]
     """A layer's dense work before attention: RMSNorm, the fused QKV projection, rotary on q and
-    k. ``linear`` multiplies by a weight (``kernels.onednn_linear.packed_linear``: a packed one)."""
+    k. ``linear`` multiplies by a weight (``kernels.weight_forms.form_linear``: one in another form)."""
     qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     head_dim = cos.shape[-1] * 2
     # q and k sit side by side in qkv's rows: one rotation for both

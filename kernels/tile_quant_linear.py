@@ -3,9 +3,9 @@
 
 A projection's ``TileQuantProjection`` is its rows in segments (a fused q/k/v may hold parts of
 different formats: q and k Q4_K, v Q6_K), attached to the layer's weight tensor (the dense
-weight or oneDNN's packed handle: ``attach``). ``tile_quant_linear`` is the ``linear`` the layer
+weight or its form's handle: ``attach``). ``tile_quant_linear`` is the ``linear`` the layer
 functions take: a weight with a projection attached runs the codes' kernel, any other its usual
-product (``kernels.onednn_linear.weight_linear``), so a model with only
+product (``kernels.weight_forms.weight_linear``), so a model with only
 some projections in K-quants still runs. ``TILE_QUANT_LAYERS`` are the layer functions of small
 steps (``LlamaModel.small_step_functions``).
 """
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layer_math import LayerFunctions, attention_inputs, attention_outputs
-from kernels.onednn_linear import weight_linear
 from kernels.tile_quant_matmul_cpu import TileQuantWeight, tile_quant_matmul
+from kernels.weight_forms import weight_linear
 
 _ATTACHED: dict[int, "TileQuantProjection"] = {}  # a weight's data address -> its projection
 

@@ -45,6 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("group_scales"), py::arg("group_minimums"), py::arg("super_scales"),
         py::arg("super_minimums"), py::arg("bits"), py::arg("group"), py::arg("super_columns"),
         py::arg("bias") = py::none(), py::arg("vectors") = false);
+  m.def("quantize_rows_int8", &quantize_rows_int8,
+        "rows as int8 codes with one scale a row (largest magnitude / 127, nearest even) (CPU)", py::arg("x"));
+  m.def("scale_int32_rows", &scale_int32_rows,
+        "an int8 GEMM's int32 sums times their row's and column's scales, plus bias, in dtype (CPU)",
+        py::arg("sums"), py::arg("row_scales"), py::arg("column_scales"), py::arg("bias"), py::arg("dtype"));
   m.def("tile_quant_matmul_usable", &tile_quant_matmul_usable,
         "whether tile_quant_matmul runs here (AMX built and granted, or AVX-512 BF16 built)");
   m.def("tile_quant_matmul_on_tiles", &tile_quant_matmul_on_tiles,

@@ -58,6 +58,13 @@ torch::Tensor tile_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Ten
 bool tile_quant_matmul_usable();
 bool tile_quant_matmul_on_tiles();
 
+// The passes around an int8 GEMM (int8_rows_cpu.cpp): rows of x as int8 codes with a scale each
+// (largest magnitude / 127, rounded to nearest even), and the GEMM's int32 sums scaled back by
+// their row's and column's scales, plus a bias, in dtype.
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x);
+torch::Tensor scale_int32_rows(torch::Tensor sums, torch::Tensor row_scales, torch::Tensor column_scales,
+                               std::optional<torch::Tensor> bias, c10::ScalarType dtype);
+
 // A block weight as Python passes it: (packed, scales, minimums, bits), as block_matmul takes them.
 using BlockWeightArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
 

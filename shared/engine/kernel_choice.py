@@ -37,9 +37,10 @@ KERNEL_NAMES = ("auto", "triton", "torch")
 
 # operation -> its implementations on the CPU torch backend, in the order ties go
 OPERATIONS: dict[str, tuple[str, ...]] = {
-    # the layers' projections: torch's linear (oneDNN reorders the weight on every call) or
-    # oneDNN with every weight packed once at start-up (kernels.onednn_linear)
-    "dense": ("linear", "packed"),
+    # the layers' projections: torch's linear (oneDNN reorders the weight on every call),
+    # oneDNN with every weight packed once at start-up (kernels.onednn_linear), or int8 codes
+    # with activations quantized per token (kernels.int8_linear; forced only: OPT_IN)
+    "dense": ("linear", "packed", "int8"),
     # the LM head: torch's linear over vocabulary slices, or the slices packed once (extra memory:
     # the head's size again; kernels.onednn_linear.PackedHead)
     "head": ("linear", "packed"),
@@ -59,6 +60,9 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "small_steps": ("dense", "kquant"),
 }
 
+# operation -> its implementations that change the numbers, not only the order of their sums
+# (int8 activations): never chosen by timing, only where ``kernels`` forces them
+OPT_IN: dict[str, tuple[str, ...]] = {"dense": ("int8",)}
 
 # shape bucket -> the token rows of the step it times (every operation's decode and prefill steps)
 BUCKET_ROWS = {"decode": 32, "prefill": 512}
@@ -191,8 +195,10 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
                  measure: Measure | None, cached: KernelPlan | None = None) -> KernelPlan:
     """The plan for operations with ``candidates`` (those available here, per operation): a
     forced one where ``forced`` names it (ValueError if it, or its operation, is not available
-    here), the only one where there is one; without ``measure`` the first one ("default": the
-    path before choices were timed, which keeps a test's results independent of timings); else
+    here); else, among the candidates less the ``OPT_IN`` ones (all of them where nothing else is
+    available: a model already in that form), the only one where there is one; without
+    ``measure`` the first one ("default": the path before choices were timed, which keeps a
+    test's results independent of timings); else
     ``fastest`` of the timings ``cached`` holds when it timed exactly these candidates, else of
     ``measure(op, available)`` (shape bucket -> candidate -> ms)."""
     absent = sorted(set(forced) - set(candidates))
@@ -206,7 +212,9 @@ def plan_kernels(candidates: Mapping[str, tuple[str, ...]], forced: Mapping[str,
                 raise ValueError(f"kernels forces {op}={forced[op]}, which this machine or model lacks "
                                  f"(available here: {list(available)})")
             chosen[op], how[op] = forced[op], "forced"
-        elif len(available) == 1 or measure is None:
+            continue
+        available = tuple(c for c in available if c not in OPT_IN.get(op, ())) or available
+        if len(available) == 1 or measure is None:
             chosen[op], how[op] = available[0], "only" if len(available) == 1 else "default"
         elif cached is not None and _timed(cached, op) == set(available):
             timings[op] = cached.timings_ms[op]  # the rule applied again: a changed rule needs no re-timing

@@ -21,25 +21,30 @@ import torch.nn.functional as F
 from kernels import onednn_linear
 from kernels.attention import paged_attention
 from kernels.greedy_head import greedy_head
+from kernels.int8_linear import int8_products_usable
 from kernels.paged_decode_cpu import supports_tiles
+from kernels.weight_forms import form_linear, weight_linear
 from shared.engine.kernel_choice import (BUCKET_ROWS, ChoiceCache, KernelPlan, KernelSpec, Measure, cpu_signature,
                                          plan_kernels)
 from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from shared.model.projection_forms import dense_form
 
 REPEATS = 5
 
 
 def candidates(runner) -> dict[str, tuple[str, ...]]:
     """The implementations each operation has on this runner's device, dtype and model. A
-    model whose projections an earlier engine already packed keeps them packed."""
-    model = runner.model
+    model whose projections an earlier engine already put in a form (packed, int8) keeps them
+    so."""
     if runner.device.type != "cpu" or runner.kernels != "torch":
         return {}
-    layer = model.layers[0]
-    if isinstance(layer.mlp.down_proj, onednn_linear.PackedLinear):
-        dense = ("packed",)
+    model = runner.model
+    form = dense_form(model)
+    if form is not None:
+        dense = (form,)
     else:
-        dense = ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",)
+        dense = ("linear",) + (("packed",) if onednn_linear.supported(runner.dtype) else ()) + (
+            ("int8",) if int8_products_usable() else ())
     head = ("packed",) if isinstance(model.lm_head, onednn_linear.PackedHead) else (
         ("linear", "packed") if onednn_linear.supported(runner.dtype) else ("linear",))
     kernel = runner.decode_in_place  # the in-place C++ kernel builds here
@@ -82,7 +87,8 @@ def median_ms(call: Callable[[], object], repeats: int = REPEATS) -> float:
 
 def time_dense(layer) -> dict[str, dict[str, float]]:
     """One layer's four projections (q/k/v with its bias, o, gate/up, down) per bucket of rows:
-    torch's ``linear`` on the dense weights and ``packed_linear`` on copies packed here."""
+    torch's ``linear`` on the dense weights and ``form_linear`` on copies packed here (int8
+    products are never timed: ``kernel_choice.OPT_IN``)."""
     weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias), (layer.self_attn.o_proj.weight, None),
                (layer.mlp.gate_up_proj.weight, None), (layer.mlp.down_proj.weight, None)]
     packed = [(onednn_linear.PackedLinear(w), b) for w, b in weights]
@@ -92,7 +98,7 @@ def time_dense(layer) -> dict[str, dict[str, float]]:
             inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w, _ in weights]
             timings[bucket] = {
                 "linear": median_ms(lambda: [F.linear(x, w, b) for x, (w, b) in zip(inputs, weights)]),
-                "packed": median_ms(lambda: [onednn_linear.packed_linear(x, p.weight, b)
+                "packed": median_ms(lambda: [form_linear(x, p.weight, b)
                                              for x, (p, b) in zip(inputs, packed)]),
             }
     return timings
@@ -116,7 +122,7 @@ def time_small_steps(runner) -> dict[str, dict[str, float]]:
                   for name, m in modules.items()}
         return {"small": {
             # an earlier engine may have packed the weights: each multiplies in the form it is in
-            "dense": median_ms(lambda: [onednn_linear.weight_linear(inputs[n], m.weight, getattr(m, "bias", None))
+            "dense": median_ms(lambda: [weight_linear(inputs[n], m.weight, getattr(m, "bias", None))
                                         for n, m in modules.items()]),
             "kquant": median_ms(lambda: [projections[n](inputs[n], getattr(m, "bias", None))
                                          for n, m in modules.items()]),
@@ -192,8 +198,13 @@ def choose_plan(runner, spec: KernelSpec, measure: bool, cache: ChoiceCache | No
     """The plan for ``runner``: ``spec``'s forced operations; with ``measure`` the others timed
     here (or read from ``cache``, keyed by CPU signature, model shape, dtype and block size, and
     stored there); without it each takes its first candidate here ("default": the path before
-    choices were measured, which keeps a test's results independent of timings)."""
+    choices were measured, which keeps a test's results independent of timings). On a runner
+    that is not the CPU's torch backend (``auto`` on CUDA runs Triton) nothing is chosen and
+    ``spec``'s forced items, which name CPU implementations, do not apply: one config serves
+    both."""
     available = candidates(runner)
+    if not available:
+        return KernelPlan({}, {})
     if not measure:
         return plan_kernels(available, spec.forced, None)
     key = f"{cpu_signature()}|{_model_key(runner)}"

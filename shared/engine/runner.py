@@ -13,7 +13,8 @@ from kernels.attention import PagedAttentionStep
 from kernels.attention_metadata import AttentionMetadata, GatherWorkspace, KernelRows, expand_runs
 from kernels.greedy_head import greedy_head
 from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
-from kernels.onednn_linear import PACKED_LAYERS, PackedHead
+from kernels.onednn_linear import PackedHead
+from kernels.weight_forms import FORM_LAYERS
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_paired
 from kernels.tile_quant_linear import TILE_QUANT_LAYERS, TileQuantProjection
@@ -32,7 +33,7 @@ from shared.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shared.engine.step_profile import StepProfile, TimedAttentionStep, maybe_phase
 from shared.model.kquant_projections import attach_projections, has_kquant_projections, kquant_projections
 from shared.model.llama import AttentionStep, KVCache, LlamaModel
-from shared.model.onednn_packing import pack_head, pack_layer_linears
+from shared.model.projection_forms import DENSE_FORMS, convert_layer_linears, pack_head
 
 
 MAX_DECODE_ROWS_CHUNK = 48  # longer chunks (prompts) run as prefill segments
@@ -274,13 +275,15 @@ class ModelRunner:
         return self._kquant
 
     def apply_plan(self, plan: KernelPlan) -> None:
-        """Run the implementations ``plan`` chose (``shared.engine.kernel_choice``): packed
-        projections (the model's dense weights replaced, ``kernels.onednn_linear``; before
-        ``LlamaModel.compile_layers``), a packed LM head, how prompt chunks and decode rows
-        attend, and small steps on the K-quant codes (attached to the weights as packed)."""
-        if plan.chosen.get("dense") == "packed":
-            pack_layer_linears(self.model)
-            self.model.use_layer_functions(PACKED_LAYERS)
+        """Run the implementations ``plan`` chose (``shared.engine.kernel_choice``): packed or
+        int8 projections (the model's dense weights replaced, ``kernels.onednn_linear``,
+        ``kernels.int8_linear``; before ``LlamaModel.compile_layers``), a packed LM head, how
+        prompt chunks and decode rows attend, and small steps on the K-quant codes (attached to
+        the weights in their form)."""
+        form = DENSE_FORMS.get(plan.chosen.get("dense"))
+        if form is not None:
+            convert_layer_linears(self.model, form)
+            self.model.use_layer_functions(FORM_LAYERS)
         if plan.chosen.get("small_steps") == "kquant":
             projections = self.kquant_projections()
             attach_projections(self.model, {m: p for m, p in projections.items() if m != "lm_head"})

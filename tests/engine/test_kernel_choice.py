@@ -112,6 +112,17 @@ def test_a_plan_measures_what_is_neither_forced_nor_alone_nor_cached():
     assert timer.calls == ["decode_attention"]
 
 
+def test_an_implementation_that_changes_the_numbers_is_taken_only_where_forced():
+    timer = FakeTimer({"dense": {"decode": {"linear": 3.0, "packed": 2.0}}})
+    plan = plan_kernels({"dense": ("linear", "packed", "int8")}, {}, timer)
+    assert plan.chosen == {"dense": "packed"} and set(plan.timings_ms["dense"]["decode"]) == {"linear", "packed"}
+    assert plan_kernels({"dense": ("linear", "int8")}, {}, FakeTimer({})).how == {"dense": "only"}  # linear alone
+    plan = plan_kernels({"dense": ("linear", "packed", "int8")}, {"dense": "int8"}, FakeTimer({}))
+    assert plan.chosen == {"dense": "int8"} and plan.how == {"dense": "forced"}
+    # projections already in int8 (an earlier engine's): nothing else is left to run
+    assert plan_kernels({"dense": ("int8",)}, {}, FakeTimer({})).chosen == {"dense": "int8"}
+
+
 def test_forcing_what_this_machine_lacks_is_refused_with_what_it_has():
     with pytest.raises(ValueError, match=r"dense=packed, which this machine or model lacks.*\['linear'\]"):
         plan_kernels({"dense": ("linear",)}, {"dense": "packed"}, FakeTimer(TIMINGS))

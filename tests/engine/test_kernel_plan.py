@@ -6,17 +6,19 @@ and model, then read from the cache; forced choices are honoured or refused."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kernels import onednn_linear
+from kernels.int8_linear import Int8Linear, int8_products_usable
 from kernels.onednn_linear import PackedLinear
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_tiles
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
-from shared.engine.kernel_choice import KernelSpec
+from shared.engine.kernel_choice import OPT_IN, KernelSpec
 from shared.engine.kernel_timing import candidates, choose_plan
 from shared.engine.runner import MAX_DECODE_ROWS_CHUNK
 from shared.engine.sampling_params import SamplingParams
@@ -70,7 +72,8 @@ def test_a_timed_plan_is_measured_once_per_cpu_and_model_then_read_from_the_cach
     engine = Engine(tiny_model(), None, config)
     first = engine.stats().kernel_plan
     available = candidates(engine.runner)
-    for op, impls in available.items():
+    available = {op: tuple(c for c in impls if c not in OPT_IN.get(op, ())) for op, impls in available.items()}
+    for op, impls in available.items():  # int8 products are offered, never timed
         assert first["chosen"][op] in impls
         assert first["how"][op] == ("measured" if len(impls) > 1 else "only")
         if len(impls) > 1:
@@ -100,6 +103,29 @@ def test_a_model_packed_by_an_earlier_engine_stays_packed_for_the_next():
     assert candidates(engine.runner)["dense"] == ("packed",)
     assert engine.stats().kernel_plan["how"]["dense"] == "only"
     engine.close()
+
+
+@pytest.mark.skipif(not int8_products_usable(), reason="the CPU kernels do not build here")
+def test_int8_products_run_where_forced_near_the_references_logits_and_the_next_engine_keeps_them():
+    model, reference = tiny_model(seed=5), tiny_model(seed=5)
+    engine = Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, kernels="dense=int8"))
+    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
+    assert engine.stats().kernel_plan["chosen"]["dense"] == "int8"
+    assert "int8" in candidates(engine.runner)["dense"]
+    ids = list(range(3, 40))
+    logits = engine.runner.execute(SchedulerOutput(prefills=[ScheduledChunk("a", ids, 0, [1, 2, 3], sample=True)]))
+    want = dense_logits(reference, ids)[-1]
+    torch.testing.assert_close(logits[0].float(), want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    engine.close()
+    engine = Engine(model, None, EngineConfig(block_size=BS, num_blocks=64, time_kernels=True))
+    assert candidates(engine.runner)["dense"] == ("int8",) and engine.stats().kernel_plan["how"]["dense"] == "only"
+    engine.close()
+
+
+def test_cpu_implementations_a_config_forces_do_not_apply_to_the_triton_backend():
+    gpu_runner = SimpleNamespace(device=torch.device("cuda"), kernels="triton")  # "auto" on CUDA
+    plan = choose_plan(gpu_runner, KernelSpec.parse("auto,dense=int8"), True, None)
+    assert plan.chosen == {} and plan.how == {}
 
 
 def test_forcing_rows_without_the_in_place_kernel_is_refused():

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from kernels import onednn_linear
 from kernels.greedy_head import greedy_head_reference
-from kernels.onednn_linear import PACKED_LAYERS, PackedHead, PackedLinear, packed_linear
-from shared.model.onednn_packing import pack_head, pack_layer_linears
+from kernels.onednn_linear import PackedHead, PackedLinear
+from kernels.weight_forms import FORM_LAYERS, form_linear
+from shared.model.projection_forms import convert_layer_linears, pack_head
 from shared.model.weight_cache import load_model
 from tests.engine.tiny import dense_logits, tiny_model
 from tests.model.tiny_gguf import write_tiny_gguf
@@ -41,34 +42,19 @@ def test_a_packed_product_is_linears(dtype, rows, k, n, bias, seed):
     b = torch.randn(n, generator=generator).to(dtype) if bias else None
     layer = PackedLinear(w, b)
     assert layer.weight.shape == (n, k) and layer.weight.dtype == torch.int8  # the handle, one byte
-    got = packed_linear(x, layer.weight, b)
+    got = form_linear(x, layer.weight, b)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (rows, n)
     assert (got.double() - want).abs().max() <= TOLERANCE[dtype] * max(want.abs().max().item(), 1.0)
     assert torch.equal(layer(x[None]).squeeze(0), got)  # the module's forward, any leading dims
 
 
-def test_a_compiled_function_calls_it_at_any_row_count():
-    w, b = torch.randn(24, 16), torch.randn(24)
-    layer = PackedLinear(w, b)
-    compiled = torch.compile(lambda x, handle, bias: F.silu(packed_linear(x, handle, bias)) * 2, dynamic=True)
-    for rows in (3, 17, 64):
-        x = torch.randn(rows, 16)
-        torch.testing.assert_close(compiled(x, layer.weight, b), F.silu(F.linear(x, w, b)) * 2, rtol=1e-4, atol=1e-4)
-
-
-def test_multiplying_by_the_handle_as_if_it_were_the_weight_fails_loudly():
-    layer = PackedLinear(torch.randn(8, 4))
-    with pytest.raises(RuntimeError):
-        F.linear(torch.randn(2, 4), layer.weight)
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_packed_models_forward_is_the_dense_ones(compiled):
     dense, packed = tiny_model(seed=3), tiny_model(seed=3)
-    assert pack_layer_linears(packed) == 4 * packed.config.num_layers
-    assert pack_layer_linears(packed) == 0  # already packed: nothing to do
-    packed.use_layer_functions(PACKED_LAYERS)
+    assert convert_layer_linears(packed, PackedLinear) == 4 * packed.config.num_layers
+    assert convert_layer_linears(packed, PackedLinear) == 0  # already packed: nothing to do
+    packed.use_layer_functions(FORM_LAYERS)
     if compiled:
         packed.compile_layers(min_tokens=2)
     ids = list(range(3, 40))
@@ -83,8 +69,8 @@ def test_a_mapped_models_packed_forward_is_its_dense_one_and_released_pages_read
     mapped = model.mapped_weights
     weights = {name: p for name, p in model.layers.named_parameters() if name.endswith("proj.weight")}
     copies = {name: p.clone() for name, p in weights.items()}
-    pack_layer_linears(model)
-    model.use_layer_functions(PACKED_LAYERS)
+    convert_layer_linears(model, PackedLinear)
+    model.use_layer_functions(FORM_LAYERS)
     ids = list(range(2, 30))
     assert_same_logits(dense_logits(model, ids), dense_logits(reference, ids))
     for name, weight in weights.items():  # released: a reader still sees the file's bytes
