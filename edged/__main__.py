@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the tiers' cloud: start cloudd on loopback on this GGUF / HF folder or model name "
                         "(qwen2.5-coder-1.5b: fetched once)")
     v.add_argument("--cloud-config", type=Path, default=None,
-                   help="the started cloudd's TOML ([engine] device, dtype, compile, ...; default: cloudd's defaults)")
+                   help="the started cloudd's TOML ([engine] device, dtype, compile, ...; default: cloudd's defaults "
+                        "with the kernels of the shipped configs/cloudd.toml)")
     v.add_argument("--cloud-endpoint", default=None, help="the tiers' cloud: a running cloudd (no CURVE)")
     v.add_argument("--config", type=Path, default=None,
                    help="an edged TOML whose [escalation] rules the hybrid tier runs (default: configs/edged.toml, "

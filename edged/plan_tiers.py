@@ -4,8 +4,8 @@
   nothing escalated;
 - ``cloud``: by the cloud: every task through robot_sdk to cloudd, a running one
   (``--cloud-endpoint``) or one this tool starts (``--cloud-model``: ``cloudd serve`` on loopback
-  at free ports with cloudd's defaults or ``--cloud-config``, stopped at the end, on failure
-  too);
+  at free ports with ``--cloud-config``, else cloudd's defaults and the kernels of the shipped
+  ``configs/cloudd.toml``, stopped at the end, on failure too);
 - ``hybrid``: through edged with its escalation policy: an edged front in this process (the same
   backend; the ``[escalation]`` rules of ``--config``, else those of the shipped
   ``configs/edged.toml``) linked to that cloud.
@@ -28,6 +28,7 @@ import json
 import subprocess
 import tempfile
 import threading
+import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -40,6 +41,7 @@ TIERS = ("edge", "cloud", "hybrid")
 CLOUD_KV_BLOCKS = 1024  # a started cloudd's KV pool: 16,384 tokens, plenty for one plan at a time
 CLOUD_START_S = 900.0  # a large GGUF can take minutes to load on a small machine
 PLAN_TIMEOUT_S = 300.0  # robot_sdk's silence tolerance: a slow CPU cloud may think that long
+SHIPPED_CLOUD_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cloudd.toml"
 
 # (tier, variant, task, answer, outcome) for each answer, as it is judged
 Record = Callable[[str, str, EvalTask, Answered, Outcome], None]
@@ -54,7 +56,7 @@ class TierOptions:
     backend: str = "onnx"  # the robot's backend and quantization (edge and hybrid)
     quant: str = "int4"
     cloud_model: Path | None = None  # start cloudd on this GGUF / HF folder
-    cloud_config: Path | None = None  # that cloudd's TOML ([engine]: device, dtype, compile, ...)
+    cloud_config: Path | None = None  # that cloudd's TOML ([engine]: device, dtype, compile, ...; default: shipped kernels)
     cloud_endpoint: str | None = None  # or use the cloudd listening here (no CURVE)
     escalation: EscalationConfig = EscalationConfig()  # the hybrid's rules (its endpoint is replaced)
 
@@ -100,6 +102,26 @@ def tier_answerer(tier: str, model: Path, options: TierOptions, threads: int) ->
         yield endpoint_answerer(client)
 
 
+def shipped_cloud_kernels(config: Path = SHIPPED_CLOUD_CONFIG) -> str:
+    """The ``[engine] kernels`` of the fleet's shipped cloudd config (the 1.5B's int8 products);
+    "auto" where the file or the key is absent."""
+    try:
+        return str(tomllib.loads(config.read_text()).get("engine", {}).get("kernels", "auto"))
+    except FileNotFoundError:
+        return "auto"
+
+
+def cloud_serve_args(options: TierOptions) -> list[str]:
+    """``cloudd serve``'s arguments for the cloud this tool starts: ``--cloud-model`` on loopback
+    at free ports, a KV pool for one plan at a time, and ``--cloud-config``, else cloudd's
+    defaults with the shipped config's kernels (not its [serve] quotas, which would throttle
+    this one client's back-to-back plans)."""
+    config = (["--config", str(options.cloud_config)] if options.cloud_config is not None
+              else ["--kernels", shipped_cloud_kernels()])
+    return ["serve", "--model", str(options.cloud_model), *config, "--zmq-port", "0", "--http-port", "0",
+            "--num-blocks", str(CLOUD_KV_BLOCKS)]
+
+
 @contextlib.contextmanager
 def cloud_endpoint(options: TierOptions) -> Iterator[str]:
     """``--cloud-endpoint`` as given, or the ZeroMQ endpoint of a ``cloudd serve`` started on
@@ -110,10 +132,7 @@ def cloud_endpoint(options: TierOptions) -> Iterator[str]:
         return
     from shared.daemon_process import DaemonProcess
 
-    config = ["--config", str(options.cloud_config)] if options.cloud_config is not None else []
-    cloudd = DaemonProcess("cloudd", ["serve", "--model", str(options.cloud_model), *config, "--zmq-port", "0",
-                                      "--http-port", "0", "--num-blocks", str(CLOUD_KV_BLOCKS)],
-                           ready="cloudd ready:", timeout_s=CLOUD_START_S)
+    cloudd = DaemonProcess("cloudd", cloud_serve_args(options), ready="cloudd ready:", timeout_s=CLOUD_START_S)
     try:
         yield cloudd.fields["zmq"]
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 import edged.plan_tiers as plan_tiers
 from edged.__main__ import main
 from edged.plan_eval import Answered, Outcome, summarize
-from edged.plan_tiers import TierOptions, json_lines, run_tiers
+from edged.plan_tiers import (SHIPPED_CLOUD_CONFIG, TierOptions, cloud_serve_args, json_lines, run_tiers,
+                              shipped_cloud_kernels)
 
 KEYS = {"tasks", "valid_rate", "grounded_rate", "requirements_met_rate", "mean_steps", "latency_p50_s",
         "latency_p90_s", "local_rate"}
@@ -123,3 +125,15 @@ def test_a_cloud_model_given_by_a_relative_path_reaches_the_cloud_as_an_absolute
     capsys.readouterr()
     assert main(["plan-eval", "--tiers", "cloud", "--cloud-model", "no-such-model"]) == 2
     assert "neither an existing path nor a known model name" in capsys.readouterr().err
+
+
+def test_a_started_cloud_runs_its_config_else_the_shipped_configs_kernels(tmp_path):
+    shipped = tmp_path / "cloudd.toml"
+    shipped.write_text('[engine]\nkernels = "auto,dense=int8"\n[serve]\nrobot_requests_per_s = 1.0\n')
+    assert shipped_cloud_kernels(shipped) == "auto,dense=int8"
+    assert shipped_cloud_kernels(tmp_path / "absent.toml") == "auto"
+    assert shipped_cloud_kernels() == tomllib.loads(SHIPPED_CLOUD_CONFIG.read_text())["engine"]["kernels"]
+    args = cloud_serve_args(TierOptions(tiers=("cloud",), cloud_model=Path("/m.gguf")))
+    assert args[:5] == ["serve", "--model", "/m.gguf", "--kernels", shipped_cloud_kernels()]
+    args = cloud_serve_args(TierOptions(tiers=("cloud",), cloud_model=Path("/m.gguf"), cloud_config=shipped))
+    assert args[3:5] == ["--config", str(shipped)] and "--kernels" not in args
