@@ -81,11 +81,6 @@ class Int8Weight:
         # NOTE: the C++ pass: torch's ops would leave a float32 copy or two of each weight in
         # the allocator (a 1.5B model's conversion grew the process by 2-4 GB, more in some runs)
         self.codes, self.scales = quantize_rows(weight.detach())
-        self.dequantized_dtype = weight.dtype
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight these codes stand for, [N, K] in the dense weight's dtype."""
-        return (self.codes.float() * self.scales[:, None]).to(self.dequantized_dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         codes, scales = quantize_rows(x)

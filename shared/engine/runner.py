@@ -14,7 +14,6 @@ from kernels.attention_metadata import AttentionMetadata, GatherWorkspace, Kerne
 from kernels.greedy_head import greedy_head
 from kernels.kv_layout import LAYOUTS, allocate_kv, copy_slots
 from kernels.onednn_linear import PackedHead
-from kernels.weight_forms import FORM_LAYERS
 from kernels.paged_decode_cpu import supports as supports_in_place_decode
 from kernels.paged_decode_cpu import supports_paired
 from kernels.tile_quant_linear import TILE_QUANT_LAYERS, TileQuantProjection
@@ -24,6 +23,7 @@ from kernels.triton_attention import TritonAttentionMetadata, TritonAttentionSte
 from kernels.triton_decode_attention import launch_programs
 from kernels.triton_layers import TRITON_LAYERS
 from kernels.triton_support import check_tiles
+from kernels.weight_forms import FORM_LAYERS
 from shared.engine.block_table_rows import BlockTableRows
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kernel_choice import KernelPlan
