@@ -28,7 +28,6 @@ import json
 import subprocess
 import tempfile
 import threading
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -104,9 +103,12 @@ def tier_answerer(tier: str, model: Path, options: TierOptions, threads: int) ->
 
 def shipped_cloud_kernels(config: Path = SHIPPED_CLOUD_CONFIG) -> str:
     """The ``[engine] kernels`` of the fleet's shipped cloudd config (the 1.5B's int8 products);
-    "auto" where the file or the key is absent."""
+    "auto" where the file or the key is absent. ValueError for a bad [engine] table."""
+    from shared.config import load_section
+    from shared.engine.engine_config import EngineConfig  # NOTE: loads torch: only for a cloud started here
+
     try:
-        return str(tomllib.loads(config.read_text()).get("engine", {}).get("kernels", "auto"))
+        return load_section(config, "engine", EngineConfig).kernels
     except FileNotFoundError:
         return "auto"
 

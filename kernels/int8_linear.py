@@ -3,7 +3,7 @@ activations per token, the sums in int32 by the CPU's int8 GEMM.
 
 On CPUs with int8 dot products (AVX-512 VNNI, AMX-INT8) oneDNN's int8 GEMM (``torch._int_mm``)
 does twice the multiply-adds of its bf16 one per cycle, and reads half the weight bytes: on a
-2-core AMD EPYC, 800-870 against 350-440 GFLOP/s at Qwen2.5-1.5B's projection shapes (64-512
+2-core AMD EPYC, 700-870 against 350-440 GFLOP/s at Qwen2.5-1.5B's projection shapes (64-512
 rows). This is what llama.cpp does for its K-quant products too (activations rounded to 8 bits
 per block), and it changes the numbers beyond the sums' order, so it is never chosen by timing:
 ``[engine] kernels = "auto,dense=int8"`` asks for it (``shared.engine.kernel_choice``).
