@@ -88,12 +88,13 @@ def cmd_plan_eval(args) -> int:
 
     if args.tiers is not None:
         return _plan_eval_tiers(args)
-    if args.cloud_model or args.cloud_config or args.cloud_endpoint or args.config or args.records:
-        raise ValueError("--cloud-model, --cloud-config, --cloud-endpoint, --config and --records go with --tiers")
+    if args.cloud_model or args.cloud_config or args.cloud_endpoint or args.config or args.records or args.robot_cpus:
+        raise ValueError("--cloud-model, --cloud-config, --cloud-endpoint, --config, --records and --robot-cpus "
+                         "go with --tiers")
     if not args.json:
         print(HEADER, flush=True)
     report = run_plan_eval(_model_path(args.model), args.backend, args.quant, args.variants or ("grounded", "free"),
-                           args.tasks, args.limit, args.endpoint, args.threads, log=None if args.json else print)
+                           args.tasks, args.limit, args.endpoint, args.threads or 2, log=None if args.json else print)
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
@@ -103,6 +104,7 @@ def _plan_eval_tiers(args) -> int:
     from edged.config import SHIPPED_CONFIG, EdgeConfig
     from edged.plan_eval import HEADER
     from edged.plan_tiers import TierOptions, json_lines, run_tiers
+    from shared.cpu_affinity import parse_cpu_list
     from shared.model.fetch import resolve_model
 
     if args.endpoint or len(args.backend) > 1 or len(args.quant) > 1:
@@ -110,7 +112,8 @@ def _plan_eval_tiers(args) -> int:
     options = TierOptions(tiers=args.tiers, backend=args.backend[0], quant=args.quant[0],
                           cloud_model=resolve_model(args.cloud_model).resolve() if args.cloud_model else None,
                           cloud_config=args.cloud_config, cloud_endpoint=args.cloud_endpoint,
-                          escalation=EdgeConfig.load(args.config or SHIPPED_CONFIG).escalation)
+                          escalation=EdgeConfig.load(args.config or SHIPPED_CONFIG).escalation,
+                          robot_cpus=parse_cpu_list(args.robot_cpus) if args.robot_cpus else None)
     if not args.json:
         print(HEADER, flush=True)
     with json_lines(args.records) as record:
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--tasks", type=Path, default=None, help="a task file (default: edged/data/plan_tasks.json)")
     v.add_argument("--limit", type=int, default=None, help="only the first N tasks")
     v.add_argument("--endpoint", default=None, help="ask a running edged or cloudd through robot_sdk instead")
-    v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--threads", type=int, default=None,
+                   help="the robot model's threads (default: 2; with --robot-cpus, one per robot CPU)")
     v.add_argument("--tiers", type=comma_list(TIERS), default=None,
                    help="compare edge (the robot alone), cloud (cloudd alone) and hybrid (edged escalating to "
                         "cloudd), comma list")
@@ -189,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--config", type=Path, default=None,
                    help="an edged TOML whose [escalation] rules the hybrid tier runs (default: configs/edged.toml, "
                         "the shipped robot config)")
+    v.add_argument("--robot-cpus", default=None,
+                   help="with --tiers: split the machine as deployed: the robot's side on these CPUs (e.g. 0 or "
+                        "0-1), a cloud started here on all the others; default: both share every CPU")
     v.add_argument("--records", type=Path, default=None,
                    help="with --tiers: write every answer and its outcome here, one JSON line each")
     v.add_argument("--json", action="store_true")

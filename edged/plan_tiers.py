@@ -12,6 +12,12 @@
   The robot answers what it can and escalates the rest; an escalated plan's time is the local
   plan's and then the cloud's.
 
+One machine hosts both sides here, and by default they share its CPUs, which a deployment never
+does: a raced plan then takes CPU from the other side's. ``robot_cpus`` (``--robot-cpus``) splits
+the machine as deployed: this process (the robot: the edge tier's model, the hybrid's edged front,
+robot_sdk's client) runs on those CPUs with a thread each, and a cloud this tool starts on all the
+others, for every tier alike. The report then says which CPUs each side had (``cpus``).
+
 Each tier's summary is ``plan_eval.summarize``'s, whose ``local_rate`` (the share answered on
 the robot) is 1.0 for edge and 0.0 for cloud. ``records`` sees every answer with its outcome
 (``--records``: one JSON line each, the edge tier's with the plan's mean token log-probability),
@@ -35,6 +41,7 @@ from edged.escalation import EscalationConfig
 from edged.plan_eval import (PLAN_TASKS, Answer, Answered, EvalTask, Outcome, endpoint_answerer, load_tasks,
                              local_answerer, local_generators, named_runs, run_variants)
 from robot_sdk.client import PlanClient
+from shared.cpu_affinity import available_cpus, format_cpu_list, pinned
 
 TIERS = ("edge", "cloud", "hybrid")
 CLOUD_KV_BLOCKS = 1024  # a started cloudd's KV pool: 16,384 tokens, plenty for one plan at a time
@@ -58,6 +65,8 @@ class TierOptions:
     cloud_config: Path | None = None  # that cloudd's TOML ([engine]: device, dtype, compile, ...; default: shipped kernels)
     cloud_endpoint: str | None = None  # or use the cloudd listening here (no CURVE)
     escalation: EscalationConfig = EscalationConfig()  # the hybrid's rules (its endpoint is replaced)
+    robot_cpus: frozenset[int] | None = None  # the robot's CPUs (this process); a cloud started here: the others
+    machine_cpus: frozenset[int] = dataclasses.field(default_factory=available_cpus, init=False, repr=False)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in TIERS]
@@ -68,20 +77,49 @@ class TierOptions:
             raise ValueError("the cloud and hybrid tiers need exactly one of --cloud-model and --cloud-endpoint")
         if self.cloud_config is not None and self.cloud_model is None:
             raise ValueError("--cloud-config goes with --cloud-model (the cloud this tool starts)")
+        if self.robot_cpus is not None:
+            mine = format_cpu_list(self.machine_cpus)
+            if not self.robot_cpus or not self.robot_cpus <= self.machine_cpus:
+                raise ValueError(f"--robot-cpus {format_cpu_list(self.robot_cpus) or '(none)'}: "
+                                 f"choose among this process's CPUs {mine}")
+            if needs_cloud and self.cloud_model is not None and not self.cloud_cpus:
+                raise ValueError(f"--robot-cpus {format_cpu_list(self.robot_cpus)} leaves the cloud no CPU "
+                                 f"(this process has {mine})")
+
+    @property
+    def cloud_cpus(self) -> frozenset[int] | None:
+        """The CPUs of a cloud started here: all those this process had when the options were made
+        but the robot's (None: unsplit)."""
+        return None if self.robot_cpus is None else self.machine_cpus - self.robot_cpus
+
+    def cpu_split(self) -> dict[str, str]:
+        """The report's ``cpus``: each side's CPU list (the cloud's only when started here)."""
+        if self.robot_cpus is None:
+            return {}
+        split = {"robot": format_cpu_list(self.robot_cpus)}
+        if self.cloud_model is not None:
+            split["cloud"] = format_cpu_list(self.cloud_cpus)
+        return split
 
 
 def run_tiers(model: Path, options: TierOptions, variants: Sequence[str] = ("grounded",),
-              tasks_path: Path | None = None, limit: int | None = None, threads: int = 2,
+              tasks_path: Path | None = None, limit: int | None = None, threads: int | None = None,
               log: Callable[[str], None] | None = print, record: Record | None = None) -> dict:
-    """The report: ``{"tasks": n, "tiers": {"<tier>[-free]": summary, ...}}``, the tiers in the
-    order asked, one after another (each with only its own processes and models loaded)."""
+    """The report: ``{"tasks": n, "tiers": {"<tier>[-free]": summary, ...}}`` (and ``"cpus"``
+    with ``robot_cpus``), the tiers in the order asked, one after another (each with only its own
+    processes and models loaded). ``threads``: the robot model's (default: one per robot CPU, 2
+    unsplit)."""
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
+    robot_cpus = options.robot_cpus
+    threads = threads or (len(robot_cpus) if robot_cpus else 2)
     report: dict[str, dict] = {}
-    for tier in options.tiers:
-        with tier_answerer(tier, model, options, threads) as answer:
-            summaries = run_variants(tasks, answer, variants, functools.partial(record, tier) if record else None)
-        report.update(named_runs(tier, summaries, log))
-    return {"tasks": len(tasks), "tiers": report}
+    with pinned(robot_cpus) if robot_cpus else contextlib.nullcontext():
+        for tier in options.tiers:
+            with tier_answerer(tier, model, options, threads) as answer:
+                summaries = run_variants(tasks, answer, variants, functools.partial(record, tier) if record else None)
+            report.update(named_runs(tier, summaries, log))
+    split = options.cpu_split()
+    return {"tasks": len(tasks), "tiers": report, **({"cpus": split} if split else {})}
 
 
 @contextlib.contextmanager
@@ -128,13 +166,14 @@ def cloud_serve_args(options: TierOptions) -> list[str]:
 def cloud_endpoint(options: TierOptions) -> Iterator[str]:
     """``--cloud-endpoint`` as given, or the ZeroMQ endpoint of a ``cloudd serve`` started on
     ``--cloud-model`` (``--cloud-config`` its TOML; loopback, free ports, a KV pool for one plan
-    at a time), stopped when the block ends however it ends."""
+    at a time, on ``cloud_cpus``), stopped when the block ends however it ends."""
     if options.cloud_endpoint is not None:
         yield options.cloud_endpoint
         return
     from shared.daemon_process import DaemonProcess
 
-    cloudd = DaemonProcess("cloudd", cloud_serve_args(options), ready="cloudd ready:", timeout_s=CLOUD_START_S)
+    cloudd = DaemonProcess("cloudd", cloud_serve_args(options), ready="cloudd ready:", timeout_s=CLOUD_START_S,
+                           cpus=options.cloud_cpus)
     try:
         yield cloudd.fields["zmq"]
     finally:

@@ -17,9 +17,11 @@ class DaemonProcess:
 
     ``fields`` holds the ``key=value`` pairs of the ready line (e.g. ``zmq``, ``http``). stderr
     goes to a temporary file, shown by ``log()`` when a test needs to explain a failure.
+    ``cpus``: the CPUs the child runs on (all of this process's when None).
     """
 
-    def __init__(self, module: str, args: list[str], ready: str, timeout_s: float = 180.0):
+    def __init__(self, module: str, args: list[str], ready: str, timeout_s: float = 180.0,
+                 cpus: frozenset[int] | None = None):
         self.module = module
         self._stderr = tempfile.NamedTemporaryFile(prefix=f"{module}-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
@@ -27,6 +29,14 @@ class DaemonProcess:
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
             cwd=Path(__file__).resolve().parents[1],  # the repository root
         )
+        if cpus is not None:
+            # NOTE: Popen returns once the child has exec'd Python, which starts single-threaded: its
+            # first thread comes with its imports, long after this call, and inherits the mask
+            try:
+                os.sched_setaffinity(self.proc.pid, cpus)
+            except OSError:
+                self.kill()
+                raise
         self.lines: list[str] = []
         found = threading.Event()
         self.fields: dict[str, str] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tomllib
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from edged.__main__ import main
 from edged.plan_eval import Answered, Outcome, summarize
 from edged.plan_tiers import (SHIPPED_CLOUD_CONFIG, TierOptions, cloud_serve_args, json_lines, run_tiers,
                               shipped_cloud_kernels)
+from shared.cpu_affinity import format_cpu_list
 
 KEYS = {"tasks", "valid_rate", "grounded_rate", "requirements_met_rate", "mean_steps", "latency_p50_s",
         "latency_p90_s", "local_rate"}
@@ -137,3 +139,70 @@ def test_a_started_cloud_runs_its_config_else_the_shipped_configs_kernels(tmp_pa
     assert args[:5] == ["serve", "--model", "/m.gguf", "--kernels", shipped_cloud_kernels()]
     args = cloud_serve_args(TierOptions(tiers=("cloud",), cloud_model=Path("/m.gguf"), cloud_config=shipped))
     assert args[3:5] == ["--config", str(shipped)] and "--kernels" not in args
+
+
+def two_cpus() -> frozenset[int]:
+    """Two CPUs this process may use (the test is skipped on a machine with one)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("splitting robot and cloud CPUs needs two CPUs")
+    return frozenset(mine[:2])
+
+
+def test_robot_cpus_must_be_this_processes_and_leave_a_started_cloud_some():
+    mine = frozenset(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="choose among this process's CPUs"):
+        TierOptions(tiers=("edge",), robot_cpus=frozenset({max(mine) + 1}))
+    with pytest.raises(ValueError, match="choose among"):
+        TierOptions(tiers=("edge",), robot_cpus=frozenset())
+    with pytest.raises(ValueError, match="leaves the cloud no CPU"):
+        TierOptions(tiers=("cloud",), cloud_model=Path("/m.gguf"), robot_cpus=mine)
+    # a running cloud's CPUs are its own: only this process is pinned
+    running = TierOptions(tiers=("cloud",), cloud_endpoint="tcp://127.0.0.1:1", robot_cpus=mine)
+    assert running.cpu_split() == {"robot": format_cpu_list(mine)}
+    assert TierOptions(tiers=("edge",)).cloud_cpus is None and TierOptions(tiers=("edge",)).cpu_split() == {}
+
+
+def test_split_cpus_pin_the_robot_side_and_start_the_cloud_on_the_others(monkeypatch):
+    robot, cloud = (frozenset({cpu}) for cpu in sorted(two_cpus()))
+    mine = frozenset(os.sched_getaffinity(0))
+    options = TierOptions(tiers=("edge", "cloud"), cloud_model=Path("/m.gguf"), robot_cpus=robot)
+    assert options.cloud_cpus == mine - robot and cloud <= options.cloud_cpus
+    started, pinned_to = [], []
+
+    class FakeDaemon:
+        def __init__(self, module, args, ready, timeout_s, cpus):
+            started.append(cpus)
+            self.fields = {"zmq": "tcp://127.0.0.1:1"}
+
+        def terminate(self, timeout_s):
+            return 0
+
+    monkeypatch.setattr("shared.daemon_process.DaemonProcess", FakeDaemon)
+
+    @contextlib.contextmanager
+    def answerer(tier, model, opts, threads):
+        pinned_to.append((tier, os.sched_getaffinity(0), threads))
+        with plan_tiers.cloud_endpoint(opts) if tier == "cloud" else contextlib.nullcontext():
+            yield lambda task, variant: ANSWERS[tier]
+
+    monkeypatch.setattr(plan_tiers, "tier_answerer", answerer)
+    report = run_tiers(Path("m.gguf"), options, limit=1, log=None)
+    assert pinned_to == [("edge", set(robot), 1), ("cloud", set(robot), 1)]  # a thread per robot CPU
+    assert started == [mine - robot]
+    assert report["cpus"] == {"robot": format_cpu_list(robot), "cloud": format_cpu_list(mine - robot)}
+    assert os.sched_getaffinity(0) == mine  # unpinned afterwards
+
+
+def test_the_command_line_passes_robot_cpus_and_refuses_them_without_tiers(monkeypatch, tmp_path, capsys):
+    seen: list = []
+    monkeypatch.setattr(plan_tiers, "tier_answerer", fake_answerer(seen))
+    robot = min(os.sched_getaffinity(0))
+    assert main(["plan-eval", "--tiers", "edge", "--robot-cpus", str(robot), "--limit", "1",
+                 "--model", str(tmp_path / "m.gguf"), "--json"]) == 0
+    assert seen[0][1].robot_cpus == frozenset({robot})
+    assert json.loads(capsys.readouterr().out)["cpus"] == {"robot": str(robot)}
+    assert main(["plan-eval", "--robot-cpus", "0"]) == 2
+    assert "go with --tiers" in capsys.readouterr().err
+    assert main(["plan-eval", "--tiers", "edge", "--robot-cpus", "1-0"]) == 2
+    assert "runs backwards" in capsys.readouterr().err
