@@ -10,7 +10,8 @@
   backend; the ``[escalation]`` rules of ``--config``, else those of the shipped
   ``configs/edged.toml``) linked to that cloud.
   The robot answers what it can and escalates the rest; an escalated plan's time is the local
-  plan's and then the cloud's.
+  plan's and then the cloud's, or about the cloud's alone where the rules race the two
+  (``race``, on in the shipped config).
 
 One machine hosts both sides here, and by default they share its CPUs, which a deployment never
 does: a raced plan then takes CPU from the other side's. ``robot_cpus`` (``--robot-cpus``) splits
