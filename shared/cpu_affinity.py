@@ -53,12 +53,12 @@ def pinned(cpus: frozenset[int]) -> Iterator[None]:
     if not cpus or outside:
         raise ValueError(f"CPUs {format_cpu_list(outside) or 'none'}: not among this process's "
                          f"{format_cpu_list(available_cpus())}")
-    before = {}
-    for tid in _threads():
-        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-            before[tid] = os.sched_getaffinity(tid)
-            os.sched_setaffinity(tid, cpus)
-    try:
+    before: dict[int, set[int]] = {}
+    try:  # NOTE: a thread that refuses the mask (OSError) leaves none of the others pinned
+        for tid in _threads():
+            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+                before[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, cpus)
         yield
     finally:
         for tid, mask in before.items():

@@ -80,3 +80,28 @@ def test_a_daemon_runs_on_the_cpus_it_is_given():
         assert unpinned.fields["cpus"] == format_cpu_list(available_cpus())
     finally:
         unpinned.kill()
+
+
+def test_a_thread_that_refuses_the_mask_leaves_no_other_thread_pinned(monkeypatch):
+    cpu, mine = one_cpu(), available_cpus()
+    go = threading.Event()
+    other = threading.Thread(target=go.wait)
+    other.start()
+    real_set, calls = os.sched_setaffinity, []
+
+    def refuse_the_second(tid, mask):
+        calls.append(tid)
+        if len(calls) == 2:
+            raise OSError(22, "Invalid argument")
+        real_set(tid, mask)
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse_the_second)
+    try:
+        with pytest.raises(OSError):
+            with pinned(cpu):
+                pass
+        masks = [os.sched_getaffinity(tid) for tid in (threading.get_native_id(), other.native_id)]
+    finally:
+        go.set()
+        other.join()
+    assert masks == [mine, mine]
