@@ -5,6 +5,7 @@ and model, then read from the cache; forced choices are honoured or refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -69,10 +70,9 @@ def test_untimed_plans_take_the_first_implementation_so_tests_never_depend_on_sp
 def test_a_timed_plan_is_measured_once_per_cpu_and_model_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETSERVE_CACHE_DIR", str(tmp_path))
     config = EngineConfig(block_size=BS, num_blocks=64, time_kernels=True)
+    available = timed_candidates(config)
     engine = Engine(tiny_model(), None, config)
     first = engine.stats().kernel_plan
-    available = candidates(engine.runner)
-    available = {op: tuple(c for c in impls if c not in OPT_IN.get(op, ())) for op, impls in available.items()}
     for op, impls in available.items():  # int8 products are offered, never timed
         assert first["chosen"][op] in impls
         assert first["how"][op] == ("measured" if len(impls) > 1 else "only")
@@ -92,6 +92,15 @@ def test_a_timed_plan_is_measured_once_per_cpu_and_model_then_read_from_the_cach
     out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4))
     assert len(out[0].output_token_ids) == 4
     engine.close()
+
+
+def timed_candidates(config: EngineConfig) -> dict[str, tuple[str, ...]]:
+    """Each operation's candidates that a timed plan measures, read on an engine that converts no
+    weights: once a plan picks packed products, the model offers only its form, whichever won."""
+    engine = Engine(tiny_model(), None, dataclasses.replace(config, time_kernels=False))
+    available = candidates(engine.runner)
+    engine.close()
+    return {op: tuple(c for c in impls if c not in OPT_IN.get(op, ())) for op, impls in available.items()}
 
 
 @pytest.mark.skipif(not onednn_linear.supported(torch.float32), reason="this torch build has no oneDNN")

@@ -33,7 +33,10 @@ def test_every_family_appears_and_only_oversized_frames_pass_the_message_limit()
     assert len(FrameSource(1, "b").base("generate")) and MAX_FRAME_BYTES > MAX_MESSAGE_BYTES
 
 
-@pytest.mark.parametrize("attack", _targeted_mutations(), ids=lambda a: str(id(a) % 1000))
+TARGETED = _targeted_mutations()
+
+
+@pytest.mark.parametrize("attack", TARGETED, ids=[f"targeted-{i}" for i in range(len(TARGETED))])
 def test_a_targeted_input_is_refused_or_is_a_valid_one_token_request_of_the_sender(attack):
     source = FrameSource(0, "bot", "bot")
     msg = source.base("generate")
