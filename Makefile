@@ -51,11 +51,14 @@ demo: model kernels ros
 
 # The test process runs engines itself, beside the daemons it starts: its OpenMP threads spin
 # briefly between ops, then sleep, as edged's do (the daemons choose their own: docs/engine-speed.md,
-# Threads and memory). The slowest tests are listed at the end, for keeping the suite short.
+# Threads and memory). Two workers: run one after the other, the tests kept about one of two cores
+# busy (much of the suite waits on the daemons, Ray and ROS processes it starts), and two took
+# 19.5 min of tests to 13.6 on 2 cores; each test file stays in one worker, so a module's model is
+# loaded once. The slowest tests are listed at the end, for keeping the suite short.
 test: export OMP_WAIT_POLICY ?= PASSIVE
 test: export GOMP_SPINCOUNT ?= 10000
 test: model kernels ros
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # What a lent GPU checks, in one script (at most 8 minutes on one H200): the gpu tests, cloudd and
 # edged benches on the GPU; every figure into build/gpu-check/gpu-check.json (.ci/gpu-check). The
