@@ -51,10 +51,10 @@ demo: model kernels ros
 
 # The test process runs engines itself, beside the daemons it starts: its OpenMP threads spin
 # briefly between ops, then sleep, as edged's do (the daemons choose their own: docs/engine-speed.md,
-# Threads and memory). Two workers: run one after the other, the tests kept about one of two cores
-# busy (much of the suite waits on the daemons, Ray and ROS processes it starts), and two took
-# 19.5 min of tests to 13.6 on 2 cores; each test file stays in one worker, so a module's model is
-# loaded once. The slowest tests are listed at the end, for keeping the suite short.
+# Threads and memory). Two workers: one test after another kept about one of the two cores busy
+# (much of the suite waits on the daemons, Ray and ROS processes it starts); two workers cut 19.5
+# min of tests to 13.4 on 2 cores. Each test file stays in one worker, so a module's model loads
+# once. The slowest tests are listed at the end, for keeping the suite short.
 test: export OMP_WAIT_POLICY ?= PASSIVE
 test: export GOMP_SPINCOUNT ?= 10000
 test: model kernels ros
