@@ -94,7 +94,7 @@ def cmd_plan_eval(args) -> int:
     if not args.json:
         print(HEADER, flush=True)
     report = run_plan_eval(_model_path(args.model), args.backend, args.quant, args.variants or ("grounded", "free"),
-                           args.tasks, args.limit, args.endpoint, args.threads or 2, log=None if args.json else print)
+                           args.tasks, args.limit, args.endpoint, args.threads, log=None if args.json else print)
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--limit", type=int, default=None, help="only the first N tasks")
     v.add_argument("--endpoint", default=None, help="ask a running edged or cloudd through robot_sdk instead")
     v.add_argument("--threads", type=int, default=None,
-                   help="the robot model's threads (default: 2; with --robot-cpus, one per robot CPU)")
+                   help="the robot model's threads (default: edged's, 2; with --robot-cpus, one per robot CPU)")
     v.add_argument("--tiers", type=comma_list(TIERS), default=None,
                    help="compare edge (the robot alone), cloud (cloudd alone) and hybrid (edged escalating to "
                         "cloudd), comma list")

@@ -225,8 +225,12 @@ def endpoint_answerer(client: PlanClient) -> Answer:
 
 def run_plan_eval(model: Path, backends: Sequence[str], quants: Sequence[str], variants: Sequence[str] = VARIANTS,
                   tasks_path: Path | None = None, limit: int | None = None, endpoint: str | None = None,
-                  threads: int = 2, log: Callable[[str], None] | None = print) -> dict:
-    """The report: ``{"tasks": n, "runs": {"<backend>-<quant>[-free]": summary, ...}}``."""
+                  threads: int | None = None, log: Callable[[str], None] | None = print) -> dict:
+    """The report: ``{"tasks": n, "runs": {"<backend>-<quant>[-free]": summary, ...}}``.
+    ``threads``: the robot model's (default: edged's, ``BackendConfig.threads``)."""
+    from edged.config import BackendConfig
+
+    threads = threads or BackendConfig().threads
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
     runs: dict[str, dict] = {}
     for name, answer in _answerers(model, backends, quants, endpoint, threads):

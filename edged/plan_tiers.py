@@ -108,11 +108,13 @@ def run_tiers(model: Path, options: TierOptions, variants: Sequence[str] = ("gro
               log: Callable[[str], None] | None = print, record: Record | None = None) -> dict:
     """The report: ``{"tasks": n, "tiers": {"<tier>[-free]": summary, ...}}`` (and ``"cpus"``
     with ``robot_cpus``), the tiers in the order asked, one after another (each with only its own
-    processes and models loaded). ``threads``: the robot model's (default: one per robot CPU, 2
-    unsplit)."""
+    processes and models loaded). ``threads``: the robot model's (default: one per robot CPU,
+    edged's ``BackendConfig.threads`` unsplit)."""
+    from edged.config import BackendConfig
+
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
     robot_cpus = options.robot_cpus
-    threads = threads or (len(robot_cpus) if robot_cpus else 2)
+    threads = threads or (len(robot_cpus) if robot_cpus else BackendConfig().threads)
     report: dict[str, dict] = {}
     with pinned(robot_cpus) if robot_cpus else contextlib.nullcontext():
         for tier in options.tiers:
