@@ -21,6 +21,13 @@
 // one block at a time: scores for the block's tokens, then one rescale of the running (max, sum,
 // accumulator) per block, flash-decoding style. The arithmetic is a task type (TaskFor): bf16 on
 // CPUs with AVX-512 BF16, float32 on CPUs with AVX2 and FMA, the portable loops elsewhere.
+// A group of rows runs its kv_heads tasks side by side, block by block (decode_groups): a block's
+// K (and V) for all KV heads lie together in either layout, and read at once they cost less than
+// in kv_heads passes over the group's blocks, one head's part each (a decode step captured from
+// the fleet trace, 256 rows on a 2-core AVX-512 EPYC, caches flushed between calls: 2.9-3.2 ms a
+// layer against 3.4-3.7; a 2,048-row prompt step 13.0 against 13.7). The AMX task
+// keeps one KV head's queries in its tile registers for the whole task, so its tasks run one
+// after another (decode_tasks).
 
 #include "amx_tiles.h"
 #include "cpu_kernels.h"
@@ -278,7 +285,7 @@ struct Bf16DecodeTask {
 
   // Scores of the tile's keys for every head, then each head's online-softmax update: probs
   // for the tile, the correction its accumulator takes before they are added.
-  void tile_softmax(BlockRef<at::BFloat16> b, int64_t t0, int64_t count, int64_t h0, int64_t h1) {
+  [[gnu::always_inline]] void tile_softmax(BlockRef<at::BFloat16> b, int64_t t0, int64_t count, int64_t h0, int64_t h1) {
     __m512 scores[kMaxHeads];
     for (int64_t g = h0; g < h1; ++g) scores[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kChunks; ++c) {
@@ -312,7 +319,7 @@ struct Bf16DecodeTask {
   // count - 1 for heads g0 .. g0 + HEADS - 1, two keys per instruction: a head's probabilities
   // as bf16 pairs (t, t+1) against the values in pairs of one dimension (load_value_pairs).
   template <int64_t HEADS>
-  void accumulate(int64_t g0, BlockRef<at::BFloat16> b, int64_t t0, int64_t count) {
+  [[gnu::always_inline]] void accumulate(int64_t g0, BlockRef<at::BFloat16> b, int64_t t0, int64_t count) {
     __m512 a[HEADS][kVecs];
     alignas(32) uint32_t pairs[HEADS][kTile / 2];
     for (int64_t g = 0; g < HEADS; ++g) {
@@ -763,17 +770,17 @@ struct KeyRange {
   int64_t first_block, end, kv_head;
 };
 
-// One task's keys in `range`, for heads [h0, h1): a call of the task per span of blocks (or per
-// block), with the blocks of the call after it to fetch meanwhile (into L2: prefetch_rows); the
-// last call's are the first of `after` (the task's next range, or the next task's first), so
-// that a row's own blocks, read by no one else, are on their way before the row's turn.
+// One span task's keys in `range`, for heads [h0, h1): a call of the task per span of blocks,
+// with the blocks of the call after it to fetch meanwhile (into L2: prefetch_rows); the last
+// call's are the first of `after` (the task's next range, or the next task's first), so that a
+// row's own blocks, read by no one else, are on their way before the row's turn.
 template <typename Task, typename T, int64_t DIM>
 void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const KeyRange& range, const KeyRange* after,
                    int64_t kv_heads, int64_t block_size, int64_t h0, int64_t h1) {
   constexpr bool paired = Task::kPaired;
   constexpr int64_t span_keys = SpanKeys<Task>::value;
-  static_assert(span_keys <= kMaxSpanBlocks * 16, "a span's blocks hold at least 16 keys each");
-  const int64_t per_call = span_keys > 0 ? std::clamp<int64_t>(span_keys / block_size, 1, kMaxSpanBlocks) : 1;
+  static_assert(span_keys > 0 && span_keys <= kMaxSpanBlocks * 16, "a span task; its blocks hold at least 16 keys each");
+  const int64_t per_call = std::clamp<int64_t>(span_keys / block_size, 1, kMaxSpanBlocks);
   // the blocks of `r` from key `first` on, up to per_call of them, and their keys' counts; how many
   auto take = [&](const KeyRange& r, int64_t first, BlockRef<T>* blocks, int64_t* counts) {
     int64_t n = 0;
@@ -790,12 +797,7 @@ void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const KeyRang
     int64_t next_n = take(range, first + per_call * block_size, next, next_counts);
     const bool last = next_n == 0;
     if (last && after != nullptr) next_n = take(*after, after->first_block * block_size, next, next_counts);
-    if constexpr (span_keys > 0) {
-      task.span(blocks, counts, n, next, next_n, h0, h1);
-    } else {
-      if (next_n > 0) prefetch_block<paired, T, DIM>(next[0], next_counts[0]);
-      task.block(blocks[0], counts[0], h0, h1);
-    }
+    task.span(blocks, counts, n, next, next_n, h0, h1);
     if (last) break;
     std::copy(next, next + next_n, blocks);
     std::copy(next_counts, next_counts + next_n, counts);
@@ -803,21 +805,92 @@ void attend_blocks(Task& task, const T* k_cache, const T* v_cache, const KeyRang
   }
 }
 
+// Where a step's attention goes: the query rows, the pools, the rows' block tables and lengths,
+// the order rows run in, the outputs (lse: null when not asked).
+template <typename T>
+struct DecodeArgs {
+  const T *q, *k_cache, *v_cache;
+  const int64_t *tables, *lens, *order;
+  T* out;
+  float* lse;
+  int64_t rows, heads, kv_heads, block_size, max_blocks;
+  float scale;
+  int64_t dim;
+  int64_t group() const { return heads / kv_heads; }  // query heads per KV head
+  const T* query(int64_t row, int64_t head) const { return q + (row * heads + head) * dim; }
+};
+
+// Task `task` takes the queries of KV head h for the rows of group rg.
+template <typename Task, typename T>
+void begin_group(Task& task, const DecodeArgs<T>& a, const RowGroup& rg, int64_t h) {
+  const int64_t group = a.group();
+  const T* queries[kMaxHeads];
+  for (int64_t i = 0; i < rg.size; ++i)
+    for (int64_t j = 0; j < group; ++j) queries[i * group + j] = a.query(a.order[rg.begin + i], h * group + j);
+  task.begin(queries, rg.size * group, a.scale);
+}
+
+// Row i of group rg is done in task `task` (KV head h): its heads' results out.
+template <typename Task, typename T>
+void write_row(const Task& task, const DecodeArgs<T>& a, const RowGroup& rg, int64_t i, int64_t h) {
+  const int64_t group = a.group(), r = a.order[rg.begin + i];
+  for (int64_t j = 0; j < group; ++j) {
+    const int64_t head = r * a.heads + h * group + j;
+    task.write(i * group + j, a.out + head * a.dim, a.lse == nullptr ? nullptr : a.lse + head);
+  }
+}
+
+// The vector tasks: each group's kv_heads tasks side by side, block by block, every KV head's
+// part of a block read together, the next block's fetched into L2 meanwhile.
 template <typename Task, typename T, int64_t DIM>
-void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
-                 const int64_t* order, T* out, float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block_size,
-                 int64_t max_blocks, float scale) {
-  const int64_t group = heads / kv_heads;
-  const std::vector<RowGroup> groups = group_rows(tables, lens, order, rows, max_blocks, block_size, kMaxHeads / group);
+void decode_groups(const DecodeArgs<T>& a, const std::vector<RowGroup>& groups) {
+  constexpr bool paired = Task::kPaired;
+  const int64_t group = a.group(), bs = a.block_size, kv_heads = a.kv_heads;
+  const T *k_cache = a.k_cache, *v_cache = a.v_cache;
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::unique_ptr<Task>> tasks;
+    for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back(std::make_unique<Task>());
+    // keys [first_block * bs, end_key) of `table`, for heads [h0, h1) of every KV head's task
+    auto attend = [&](const int64_t* table, int64_t first_block, int64_t end_key, int64_t h0, int64_t h1) {
+      for (int64_t at = first_block * bs; at < end_key; at += bs) {
+        if (const int64_t next = at + bs; next < end_key)
+          for (int64_t h = 0; h < kv_heads; ++h)
+            prefetch_block<paired, T, DIM>(
+                block_ref<paired, T, DIM>(k_cache, v_cache, table[next / bs], h, kv_heads, bs),
+                std::min(bs, end_key - next));
+        for (int64_t h = 0; h < kv_heads; ++h)
+          tasks[h]->block(block_ref<paired, T, DIM>(k_cache, v_cache, table[at / bs], h, kv_heads, bs),
+                          std::min(bs, end_key - at), h0, h1);
+      }
+    };
+    for (int64_t w = begin; w < end; ++w) {
+      const RowGroup& rg = groups[w];
+      for (int64_t h = 0; h < kv_heads; ++h) begin_group(*tasks[h], a, rg, h);
+      if (rg.shared > 0) attend(a.tables + a.order[rg.begin] * a.max_blocks, 0, rg.shared * bs, 0, rg.size * group);
+      for (int64_t i = 0; i < rg.size; ++i) {
+        const int64_t r = a.order[rg.begin + i];
+        attend(a.tables + r * a.max_blocks, rg.shared, a.lens[r], i * group, (i + 1) * group);
+        for (int64_t h = 0; h < kv_heads; ++h) write_row(*tasks[h], a, rg, i, h);
+      }
+    }
+  });
+}
+
+// The span tasks (AMX): one task per (group, KV head), one after another (the tiles hold one KV
+// head's queries for a whole task), a span of blocks per call; each range's last span fetches
+// the range after it, or the next task's first.
+template <typename Task, typename T, int64_t DIM>
+void decode_tasks(const DecodeArgs<T>& a, const std::vector<RowGroup>& groups) {
+  const int64_t group = a.group(), kv_heads = a.kv_heads;
   // task w's ranges: its rows' shared blocks (if any), then each row's own; how many
   auto ranges_of = [&](int64_t w, KeyRange* ranges) {
     const RowGroup& rg = groups[w / kv_heads];
     const int64_t h = w % kv_heads;
     int64_t n = 0;
-    if (rg.shared > 0) ranges[n++] = {tables + order[rg.begin] * max_blocks, 0, rg.shared * block_size, h};
+    if (rg.shared > 0) ranges[n++] = {a.tables + a.order[rg.begin] * a.max_blocks, 0, rg.shared * a.block_size, h};
     for (int64_t i = 0; i < rg.size; ++i) {
-      const int64_t r = order[rg.begin + i];
-      ranges[n++] = {tables + r * max_blocks, rg.shared, lens[r], h};
+      const int64_t r = a.order[rg.begin + i];
+      ranges[n++] = {a.tables + r * a.max_blocks, rg.shared, a.lens[r], h};
     }
     return n;
   };
@@ -831,27 +904,30 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       const int64_t next_count = w + 1 < end ? ranges_of(w + 1, following) : 0;
       // what each range's last span fetches: the range after it, or the next task's first
       auto after = [&](int64_t k) { return k + 1 < count ? &ranges[k + 1] : next_count > 0 ? following : nullptr; };
-      const T* queries[kMaxHeads];
-      for (int64_t i = 0; i < rg.size; ++i)
-        for (int64_t j = 0; j < group; ++j) queries[i * group + j] = q + (order[rg.begin + i] * heads + h * group + j) * DIM;
-      task->begin(queries, rg.size * group, scale);
+      begin_group(*task, a, rg, h);
       const int64_t own = count - rg.size;  // the first row's range: after the shared one, if any
       if (own > 0)
-        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, ranges[0], after(0), kv_heads, block_size, 0,
+        attend_blocks<Task, T, DIM>(*task, a.k_cache, a.v_cache, ranges[0], after(0), kv_heads, a.block_size, 0,
                                     rg.size * group);
       for (int64_t i = 0; i < rg.size; ++i) {
-        attend_blocks<Task, T, DIM>(*task, k_cache, v_cache, ranges[own + i], after(own + i), kv_heads, block_size,
-                                    i * group, (i + 1) * group);
-        const int64_t r = order[rg.begin + i];
-        for (int64_t j = 0; j < group; ++j) {
-          const int64_t head = r * heads + h * group + j;
-          task->write(i * group + j, out + head * DIM, lse == nullptr ? nullptr : lse + head);
-        }
+        attend_blocks<Task, T, DIM>(*task, a.k_cache, a.v_cache, ranges[own + i], after(own + i), kv_heads,
+                                    a.block_size, i * group, (i + 1) * group);
+        write_row(*task, a, rg, i, h);
       }
       std::copy(following, following + next_count, ranges);
       count = next_count;
     }
   });
+}
+
+template <typename Task, typename T, int64_t DIM>
+void decode_rows(const DecodeArgs<T>& a) {
+  const std::vector<RowGroup> groups =
+      group_rows(a.tables, a.lens, a.order, a.rows, a.max_blocks, a.block_size, kMaxHeads / a.group());
+  if constexpr (SpanKeys<Task>::value > 0)
+    decode_tasks<Task, T, DIM>(a, groups);
+  else
+    decode_groups<Task, T, DIM>(a, groups);
 }
 
 }  // namespace
@@ -932,10 +1008,11 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode_with(bool tiles, torch::Te
   const int64_t dim = q.size(2);
   auto run = [&](auto task, auto element, auto dim_constant) {
     using T = decltype(element);
-    decode_rows<typename decltype(task)::type, T, decltype(dim_constant)::value>(
-        q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
-        context_lens.data_ptr<int64_t>(), order.data_ptr<int64_t>(), out.data_ptr<T>(), with_lse ? lse.data_ptr<float>() : nullptr, q.size(0),
-        q.size(1), pool.kv_heads, pool.block_size, block_tables.size(1), static_cast<float>(scale));
+    const DecodeArgs<T> args{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
+                             out.data_ptr<T>(), with_lse ? lse.data_ptr<float>() : nullptr, q.size(0), q.size(1),
+                             pool.kv_heads, pool.block_size, block_tables.size(1), static_cast<float>(scale), dim};
+    decode_rows<typename decltype(task)::type, T, decltype(dim_constant)::value>(args);
   };
   auto tokens = [&](auto element, auto dim_constant) {
     run(TaskFor<decltype(element), decltype(dim_constant)::value>{}, element, dim_constant);
