@@ -52,10 +52,10 @@ namespace {
 using fleetserve::exp_nonpositive;
 using fleetserve::load;
 
-// Blocks lie anywhere in the pool: a task fetches its next block's rows while it computes,
+// Blocks lie anywhere in the pool: the AMX task fetches its next span's rows while it computes,
 // into L2 (locality 2: prefetcht1 on x86). Fetched into L1 instead (the default, prefetcht0), a
-// block's 64 lines of K and V crowded out the lines in use: on fleet-like steps (256 rows, 2-core
-// AVX-512 EPYC) the kernel took 1.2x as long on the paired layout, 1.35-1.45x on the tokens one.
+// block's 64 lines of K and V crowded out the lines in use (measured on the vector tasks, when
+// they prefetched: on fleet-like steps 1.2x as long on the paired layout, 1.35-1.45x on tokens).
 template <typename T, int64_t DIM>
 inline void prefetch_rows(const T* rows, int64_t stride, int64_t count) {
   constexpr int64_t kLineElements = 64 / sizeof(T);
@@ -87,13 +87,6 @@ struct BlockRef {
   int64_t stride;
 };
 
-// A block's key and value rows for one KV head, fetched into L2: the paired layout's slabs are
-// block_size rows of DIM; the tokens layout's first `count` keys, a row of `stride` each.
-template <bool PAIRED, typename T, int64_t DIM>
-inline void prefetch_block(const BlockRef<T>& b, int64_t count) {
-  prefetch_rows<T, DIM>(b.k, PAIRED ? DIM : b.stride, PAIRED ? b.stride : count);
-  prefetch_rows<T, DIM>(b.v, PAIRED ? DIM : b.stride, PAIRED ? b.stride : count);
-}
 
 // A task's heads: up to kMaxHeads query heads of one KV head, from one or several rows. Every
 // task type takes them the same way: begin() with each head's query, block() for a block's keys
@@ -284,7 +277,9 @@ struct Bf16DecodeTask {
   }
 
   // Scores of the tile's keys for every head, then each head's online-softmax update: probs
-  // for the tile, the correction its accumulator takes before they are added.
+  // for the tile, the correction its accumulator takes before they are added. Always inlined,
+  // as is accumulate(): called from decode_groups' loop GCC kept both out of line, and the
+  // kernel ran 1.2x slower.
   [[gnu::always_inline]] void tile_softmax(BlockRef<at::BFloat16> b, int64_t t0, int64_t count, int64_t h0, int64_t h1) {
     __m512 scores[kMaxHeads];
     for (int64_t g = h0; g < h1; ++g) scores[g] = _mm512_setzero_ps();
@@ -841,7 +836,8 @@ void write_row(const Task& task, const DecodeArgs<T>& a, const RowGroup& rg, int
 }
 
 // The vector tasks: each group's kv_heads tasks side by side, block by block, every KV head's
-// part of a block read together, the next block's fetched into L2 meanwhile.
+// part of a block read together. No software prefetch: fetching the next block (or 2-3 ahead)
+// into L2 measured the same as none on fleet steps, in this order and in the per-head one.
 template <typename Task, typename T, int64_t DIM>
 void decode_groups(const DecodeArgs<T>& a, const std::vector<RowGroup>& groups) {
   constexpr bool paired = Task::kPaired;
@@ -853,11 +849,6 @@ void decode_groups(const DecodeArgs<T>& a, const std::vector<RowGroup>& groups) 
     // keys [first_block * bs, end_key) of `table`, for heads [h0, h1) of every KV head's task
     auto attend = [&](const int64_t* table, int64_t first_block, int64_t end_key, int64_t h0, int64_t h1) {
       for (int64_t at = first_block * bs; at < end_key; at += bs) {
-        if (const int64_t next = at + bs; next < end_key)
-          for (int64_t h = 0; h < kv_heads; ++h)
-            prefetch_block<paired, T, DIM>(
-                block_ref<paired, T, DIM>(k_cache, v_cache, table[next / bs], h, kv_heads, bs),
-                std::min(bs, end_key - next));
         for (int64_t h = 0; h < kv_heads; ++h)
           tasks[h]->block(block_ref<paired, T, DIM>(k_cache, v_cache, table[at / bs], h, kv_heads, bs),
                           std::min(bs, end_key - at), h0, h1);
