@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edged.config import BackendConfig
 from robot_sdk.client import PlanClient
 from robot_sdk.errors import InvalidPlan, PlanError
 from robot_sdk.prompt import plan_messages, response_format, system_prompt
@@ -228,8 +229,6 @@ def run_plan_eval(model: Path, backends: Sequence[str], quants: Sequence[str], v
                   threads: int | None = None, log: Callable[[str], None] | None = print) -> dict:
     """The report: ``{"tasks": n, "runs": {"<backend>-<quant>[-free]": summary, ...}}``.
     ``threads``: the robot model's (default: edged's, ``BackendConfig.threads``)."""
-    from edged.config import BackendConfig
-
     threads = threads or BackendConfig().threads
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
     runs: dict[str, dict] = {}

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from edged.config import BackendConfig
 from edged.escalation import EscalationConfig
 from edged.plan_eval import (PLAN_TASKS, Answer, Answered, EvalTask, Outcome, endpoint_answerer, load_tasks,
                              local_answerer, local_generators, named_runs, run_variants)
@@ -110,8 +111,6 @@ def run_tiers(model: Path, options: TierOptions, variants: Sequence[str] = ("gro
     with ``robot_cpus``), the tiers in the order asked, one after another (each with only its own
     processes and models loaded). ``threads``: the robot model's (default: one per robot CPU,
     edged's ``BackendConfig.threads`` unsplit)."""
-    from edged.config import BackendConfig
-
     tasks = load_tasks(tasks_path or PLAN_TASKS)[:limit]
     robot_cpus = options.robot_cpus
     threads = threads or (len(robot_cpus) if robot_cpus else BackendConfig().threads)
