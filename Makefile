@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model kernels demo test bench bench-serve bench-cluster soak gpu-check clean
+.PHONY: setup model kernels demo test bench bench-peer bench-serve bench-cluster soak gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,16 @@ gpu-check: model
 bench: model kernels
 	$(VENV)/bin/cloudd bench --trace ../shared/workloads/fleet-256.jsonl --index radix,hashed \
 		--baseline hf --max-batched-tokens 2048 --max-num-seqs 256
+
+# Issue 49's bars against vLLM-CPU on this machine, each ratio from one run with the peer: the
+# fleet-256 replay beside vLLM's offline run, then cloudd serve and vllm serve under vLLM's own
+# client, three pairs in alternating order (about 25 min; the peer set up by
+# ../shared/peers/vllm-cpu/setup.sh). JSON into bench-peer-offline.json and bench-peer-online.json.
+bench-peer: model kernels
+	$(VENV)/bin/cloudd bench --trace ../shared/workloads/fleet-256.jsonl --index radix --baseline vllm --profile \
+		--json > bench-peer-offline.json
+	$(VENV)/bin/cloudd bench --online --baseline vllm --config configs/cloudd.toml --model smollm2-135m --pairs 3 \
+		--json > bench-peer-online.json
 
 # Two servers on loopback (fleet and fcfs policies), fleet-256 replayed against each with its
 # arrival times at twice the rate: TTFT per priority class and fleet's throughput over fcfs

@@ -18,12 +18,17 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from cloudd.assembly import (build_serving_engine, engine_config_from, engine_note, model_path_from,  # noqa: E402
-                             replica_args)
+                             replica_args, serve_argv)
+from cloudd.online_peer import OnlineWorkload  # noqa: E402
+from cloudd.peer_baseline import VllmPeer  # noqa: E402
 from cloudd.trace import bundled_trace  # noqa: E402
 from kernels.kv_layout import LAYOUTS  # noqa: E402
 from shared.cli import comma_list  # noqa: E402
 from shared.engine.dtype_choice import DTYPE_NAMES  # noqa: E402
 from shared.engine.kernel_choice import KernelSpec  # noqa: E402
+
+
+OUTPUT_LEN = 96  # bench's output tokens per request, unless --output-len says
 
 
 def _url_list(text: str) -> tuple[str, ...]:
@@ -71,6 +76,8 @@ def _kernels_arg(text: str) -> str:
 
 
 def cmd_bench(args) -> int:
+    if args.online:
+        return _cmd_online_bench(args)
     if args.serve:
         return _cmd_serve_bench(args)
     if args.cluster:
@@ -85,7 +92,7 @@ def cmd_bench(args) -> int:
         response_formats=args.response_format,
         baselines=args.baseline or (),
         baseline_batch_size=args.baseline_batch,
-        output_len=args.output_len,
+        output_len=args.output_len or OUTPUT_LEN,
         limit=args.limit,
         robots=args.robots,
         tiers=args.tiers,
@@ -125,7 +132,7 @@ def _cmd_cluster_bench(args) -> int:
         raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
-    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), args.output_len, args.limit,
+    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), args.output_len or OUTPUT_LEN, args.limit,
                                args.rate_scale, args.device_pool_frac)
     with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
         result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -136,6 +143,31 @@ def _cmd_cluster_bench(args) -> int:
             print(f"{router}: prefix hit {r['prefix_hit_rate']:.3f}, {r['output_tok_s']:.1f} output tok/s")
         single = result["single_replica"]["prefix_hit_rate"]
         print(f"one replica{' with the combined pool' if 'pool' in result else ''}: prefix hit {single:.3f}")
+    return 0
+
+
+def _cmd_online_bench(args) -> int:
+    """`bench --online --baseline vllm`: the report goes to stderr; stdout gets the JSON (--json)
+    or the verdict on the bars."""
+    from cloudd.online_peer import OnlineOptions, run_online
+
+    if args.baseline != ("vllm",):
+        raise ValueError("--online compares cloudd serve with vLLM's server: give --baseline vllm (alone)")
+    if args.serve or args.cluster:
+        raise ValueError("--online starts its own servers: it does not combine with --serve or --cluster")
+    model = model_path_from(args)
+    workload = OnlineWorkload(num_prompts=args.limit or OnlineWorkload.num_prompts, request_rate=args.request_rate,
+                              output_len=args.output_len or OnlineWorkload.output_len)
+    opts = OnlineOptions(
+        peer=VllmPeer.located(model, args.peers_dir),
+        serve_args=tuple(serve_argv(args)), dtype=engine_config_from(args).dtype_choice.name,
+        model_name=model.stem, workload=workload, pairs=args.pairs)
+    result = run_online(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        met = result["bars_met"]
+        print("online bars: " + ", ".join(f"{name} {'met' if ok else 'missed'}" for name, ok in met.items()))
     return 0
 
 
@@ -254,7 +286,7 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloudd", description="fleetserve's fleet daemon")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -273,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="the peers' scripts (default: $FLEETSERVE_PEERS_DIR, else ../shared/peers beside "
                             "the repo); the peers themselves install under $PEERS_DIR")
     bench.add_argument("--baseline-batch", type=int, default=16)
-    bench.add_argument("--output-len", type=int, default=96, help="fixed output tokens per request")
+    bench.add_argument("--output-len", type=int,
+                       help=f"fixed output tokens per request (default {OUTPUT_LEN}; with --online the client's, "
+                            f"default {OnlineWorkload.output_len})")
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
     bench.add_argument("--robots", type=int, help="replay only the first N robots' requests (whole histories)")
     bench.add_argument("--tiers", type=comma_list(("off", "on", "layerwise")), default=("off",),
@@ -290,6 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
                        help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
                             "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")
+    bench.add_argument("--online", action="store_true",
+                       help="with --baseline vllm: cloudd serve (these engine flags, per-robot quotas off) and vLLM's "
+                            "server one after the other, each driven by vLLM's own client (bench serve, serve.sh's "
+                            "workload: 4 shared 448-token prefixes; --limit prompts, default 160, at --request-rate); "
+                            "prints request rate, TTFT p50/p99 and TPOT p50 of each and cloudd's ratios to the online bars")
+    bench.add_argument("--request-rate", type=float, default=OnlineWorkload.request_rate,
+                       help="with --online: requests a second (Poisson arrivals)")
+    bench.add_argument("--pairs", type=int, default=1,
+                       help="with --online: run the two servers this many times, the order alternating; the bars "
+                            "are judged on the median ratios")
     bench.add_argument("--rate-scale", type=float, default=1.0,
                        help="with --serve or --cluster: arrival-rate multiplier (2: requests come twice as fast)")
     bench.add_argument("--cluster", action="store_true",
@@ -320,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="the fleet server: ZeroMQ protocol, OpenAI HTTP, /metrics")
     serve.add_argument("--zmq-port", type=int, help="ZeroMQ ROUTER port on loopback (0: any free port)")
     serve.add_argument("--http-port", type=int, help="OpenAI / health / metrics HTTP port (0: any free port)")
+    serve.add_argument("--no-robot-quotas", action="store_true",
+                       help="no per-robot quota (requests a second, tokens a minute, in flight), whatever the config "
+                            "says: for a load test from one anonymous client, which the quotas count as one robot")
     serve.add_argument("--policy", choices=["fleet", "fcfs"], default="fleet",
                        help="scheduling: fleet (classes, deadlines, fairness; default) or fcfs (a baseline)")
     _engine_args(serve)
@@ -344,8 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     api_key.add_argument("name", help="the key's name: requests with it are served as this robot_id")
     api_key.add_argument("--file", required=True, help="the key file ([serve] http_api_keys)")
     api_key.set_defaults(func=cmd_api_key)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: ModelFetchError, HF baseline

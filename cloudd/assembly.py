@@ -85,14 +85,11 @@ def build_serving_engine(args) -> ServingEngine:
     warm-up step run: ready for the first request."""
     import concurrent.futures
 
-    from cloudd.server import ServeConfig
     from shared.engine.engine import Engine
     from shared.engine.policy import FCFS, FleetPolicy, FleetPolicyConfig
     from shared.model.weight_cache import load_model
 
-    serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
-    ports = {"zmq_port": args.zmq_port, "http_port": args.http_port}
-    serve = dataclasses.replace(serve, **{k: v for k, v in ports.items() if v is not None})
+    serve = serve_config_from(args)
     policy_config = load_section(args.config, "policy", FleetPolicyConfig) if args.config else FleetPolicyConfig()
     policy = FCFS() if args.policy == "fcfs" else FleetPolicy(policy_config)
 
@@ -105,6 +102,17 @@ def build_serving_engine(args) -> ServingEngine:
     concurrent.futures.wait(engine.precompile(_response_formats(serve.precompile)))
     warm_up_s = engine.warm_up()
     return ServingEngine(engine, ckpt.tokenizer, model_path.stem, serve, args.policy, warm_up_s)
+
+
+def serve_config_from(args) -> ServeConfig:
+    """The config's ``[serve]`` table (defaults without one) with the command's ports and, where
+    it says ``no_robot_quotas``, no per-robot quota."""
+    from cloudd.server import ServeConfig
+
+    serve = load_section(args.config, "serve", ServeConfig) if args.config else ServeConfig()
+    ports = {"zmq_port": args.zmq_port, "http_port": args.http_port}
+    serve = dataclasses.replace(serve, **{k: v for k, v in ports.items() if v is not None})
+    return serve.without_robot_quotas() if getattr(args, "no_robot_quotas", False) else serve
 
 
 def engine_note(serving: ServingEngine) -> str:
@@ -146,6 +154,20 @@ def _response_formats(names: tuple[str, ...]) -> list[dict]:
 
 ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "time_kernels", "cuda_graphs", "kv_layout",
                "block_size", "num_blocks", "max_num_seqs", "max_batched_tokens")
+
+
+def serve_argv(args) -> list[str]:
+    """`cloudd serve`'s flags for this command's engine flags (those given), with the model
+    resolved here: a server started from a bench runs the engine the bench was asked for."""
+    argv = []
+    for name in ENGINE_ARGS:
+        value = model_path_from(args) if name == "model" else getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def replica_args(args) -> dict:

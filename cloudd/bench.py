@@ -291,9 +291,7 @@ def _compare_formats(runs: dict, opts: BenchOptions, log) -> None:
 
 
 def _vllm_peer(opts: BenchOptions) -> VllmPeer:
-    from shared.config import peer_install_dir, peer_scripts_dir
-
-    return VllmPeer(scripts=opts.peers_dir or peer_scripts_dir(), install=peer_install_dir(), gguf=opts.model)
+    return VllmPeer.located(opts.model, opts.peers_dir)
 
 
 def _vllm_baseline(peer: VllmPeer, requests: list[TraceRequest], opts: BenchOptions, log) -> dict:

@@ -53,6 +53,14 @@ class VllmPeer:
     install: Path
     gguf: Path
 
+    @classmethod
+    def located(cls, gguf: Path, scripts: Path | None = None) -> VllmPeer:
+        """The peer for ``gguf`` where it lives: ``scripts`` (else ``shared.config.peer_scripts_dir``)
+        and ``shared.config.peer_install_dir``."""
+        from shared.config import peer_install_dir, peer_scripts_dir
+
+        return cls(scripts=scripts or peer_scripts_dir(), install=peer_install_dir(), gguf=gguf)
+
     @property
     def script(self) -> Path:
         return self.scripts / "vllm-cpu" / "offline.py"
@@ -60,6 +68,16 @@ class VllmPeer:
     @property
     def setup_script(self) -> Path:
         return self.scripts / "vllm-cpu" / "setup.sh"
+
+    @property
+    def serve_script(self) -> Path:
+        """``serve.sh PORT [flags]``: `vllm serve` on loopback, in the background; prints its PID."""
+        return self.scripts / "vllm-cpu" / "serve.sh"
+
+    @property
+    def cli_script(self) -> Path:
+        """vLLM's command line (``serve``, ``bench serve``) run with the peer's Python."""
+        return self.scripts / "vllm-cpu" / "vllm_cli.py"
 
     @property
     def python(self) -> Path:
@@ -83,7 +101,7 @@ class VllmPeer:
         if missing:
             raise PeerUnavailable(
                 f"--baseline vllm: the vLLM peer is not set up: missing {' and '.join(missing)}. "
-                f"Set it up with `PEERS_DIR={self.install} bash {_shown(self.setup_script)} {self.gguf} "
+                f"Set it up with `PEERS_DIR={self.install} bash {shown_path(self.setup_script)} {self.gguf} "
                 f"{hf_folder_name(self.gguf)}` in the repo root "
                 f"({self.setup_script}; about 5 min and 3.4 GB, once), then run the bench again")
 
@@ -105,12 +123,12 @@ def run_vllm_offline(peer: VllmPeer, requests: list[TraceRequest], output_len: i
         with open(log_path, "w", encoding="utf-8") as log:
             code, stdout = _run(peer.command(trace, output_len, dtype), log, progress)
         if code != 0:
-            raise RuntimeError(f"--baseline vllm: {_shown(peer.script)} exited with {code}; the end of its log:\n"
-                               + _tail(log_path))
+            raise RuntimeError(f"--baseline vllm: {shown_path(peer.script)} exited with {code}; the end of its log:\n"
+                               + log_tail(log_path))
         try:
             return parse_peer_json(stdout)
         except ValueError as e:
-            raise RuntimeError(f"--baseline vllm: {e}; the end of its log:\n{_tail(log_path)}") from e
+            raise RuntimeError(f"--baseline vllm: {e}; the end of its log:\n{log_tail(log_path)}") from e
 
 
 def write_trace(path: Path, requests: list[TraceRequest]) -> None:
@@ -160,12 +178,15 @@ def _run(cmd: list[str], log, progress: bool) -> tuple[int, str]:
         return code, out.read()
 
 
-def _tail(path: Path) -> str:
+def log_tail(path: Path) -> str:
+    """The last lines of the log at ``path`` ("(empty)" when it is empty or absent)."""
+    if not path.is_file():
+        return "(empty)"
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty)"
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """``path`` relative to the repo root when it is near it (``../shared/peers/...``)."""
     rel = os.path.relpath(path, REPO_ROOT)
     return rel if not rel.startswith("../..") else str(path)

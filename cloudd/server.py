@@ -121,12 +121,17 @@ class ServeConfig:
             raise ValueError(f"http_host {self.http_host!r} is not loopback: set http_api_keys, so that only "
                              "holders of the fleet's API keys get in")
 
+    def without_robot_quotas(self) -> ServeConfig:
+        """These settings with no per-robot quota (requests a second, tokens a minute, requests in
+        flight): for a load test from one anonymous client, which the quotas take for one robot."""
+        return replace(self, robot_requests_per_s=0.0, robot_tokens_per_min=0.0, robot_max_in_flight=0)
+
     def admitting_all(self) -> ServeConfig:
         """These settings with admission left to whoever sends: no per-robot or per-sender limits
         and every priority class for everyone. For a front whose sender already decided: a
         cluster replica behind the cluster's front, a bench replaying a whole fleet."""
-        return replace(self, robot_requests_per_s=0.0, robot_tokens_per_min=0.0, robot_max_in_flight=0,
-                       frames_per_s=0.0, priorities=tuple(p.value for p in Priority), priority_grants={})
+        return replace(self.without_robot_quotas(), frames_per_s=0.0, priorities=tuple(p.value for p in Priority),
+                       priority_grants={})
 
     def priority_classes(self) -> PriorityGrants:
         return PriorityGrants.from_config(self.priorities, self.priority_grants)

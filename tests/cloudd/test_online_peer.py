@@ -1,0 +1,209 @@
+"""`cloudd bench --online --baseline vllm` (cloudd.online_peer): the client's result read into a
+run, the ratios and the online bars, the servers' order, the flags a bench passes to the cloudd
+server it starts, and the whole pair with a real `cloudd serve` beside a stand-in peer (a
+loopback HTTP server and a client script in the peer's place)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from cloudd.__main__ import build_parser, main
+from cloudd.assembly import ENGINE_ARGS, model_path_from, serve_argv, serve_config_from
+from cloudd.online_peer import OnlineRun, OnlineWorkload, bars_met, format_ratios, ratios, server_order
+from cloudd.peer_baseline import VllmPeer, hf_folder_name
+
+RESULT = {"completed": 160, "failed": 0, "request_throughput": 3.8, "output_throughput": 240.0,
+          "median_ttft_ms": 170.0, "p50_ttft_ms": 169.0, "p99_ttft_ms": 928.0, "median_tpot_ms": 61.0,
+          "p50_tpot_ms": 61.0, "p99_tpot_ms": 80.0, "num_prompts": 160, "duration": 42.1}
+
+
+def run(server: str, rate: float, ttft_p99: float, tpot_p50: float) -> OnlineRun:
+    return OnlineRun(server, 160, 0, rate, rate * 64, 100.0, ttft_p99, tpot_p50)
+
+
+def test_a_run_is_read_from_the_clients_result_file():
+    r = OnlineRun.from_result("cloudd", RESULT)
+    assert (r.completed, r.failed, r.request_throughput) == (160, 0, 3.8)
+    assert (r.ttft_p50_ms, r.ttft_p99_ms, r.tpot_p50_ms) == (169.0, 928.0, 61.0)
+    assert "3.80 req/s" in r.summary() and "TPOT p50 61.0 ms" in r.summary()
+    with pytest.raises(ValueError, match="lacks p99_ttft_ms, p50_tpot_ms"):
+        OnlineRun.from_result("vllm", {k: v for k, v in RESULT.items() if k not in ("p99_ttft_ms", "p50_tpot_ms")})
+
+
+def test_ratios_are_cloudds_over_the_peers_and_each_bar_has_its_side():
+    ratio = ratios(run("cloudd", 3.8, 928.0, 61.0), run("vllm", 3.49, 2154.0, 159.8))
+    assert ratio["request_throughput"] == pytest.approx(3.8 / 3.49)
+    assert ratio["tpot_p50"] == pytest.approx(61.0 / 159.8)
+    assert ratio["ttft_p99"] == pytest.approx(928.0 / 2154.0)
+    assert all(bars_met(ratio).values())
+    # on each bar, exactly at it meets it; past it misses
+    assert bars_met({"request_throughput": 1.0, "tpot_p50": 1.0, "ttft_p99": 1.5}) == dict.fromkeys(ratio, True)
+    missed = bars_met({"request_throughput": 0.99, "tpot_p50": 1.01, "ttft_p99": 1.51})
+    assert missed == dict.fromkeys(ratio, False)
+    assert format_ratios({"request_throughput": 1.07, "tpot_p50": 1.44, "ttft_p99": 0.72}).count("missed") == 1
+
+
+def test_a_peer_figure_of_zero_gives_an_infinite_ratio_not_an_error():
+    ratio = ratios(run("cloudd", 3.0, 900.0, 60.0), run("vllm", 0.0, 900.0, 60.0))
+    assert ratio["request_throughput"] == float("inf") and bars_met(ratio)["request_throughput"]
+
+
+def test_the_order_alternates_from_cloudd_first():
+    assert [server_order(i) for i in range(3)] == [("cloudd", "vllm"), ("vllm", "cloudd"), ("cloudd", "vllm")]
+
+
+def test_the_workload_is_the_clients_flags_and_rejects_what_cannot_run():
+    args = OnlineWorkload(num_prompts=12, request_rate=2.5).client_args()
+    flags = dict(zip(args[::2], args[1::2], strict=False))
+    assert flags["--dataset-name"] == "prefix_repetition" and flags["--num-prompts"] == "12"
+    assert flags["--request-rate"] == "2.5" and flags["--prefix-repetition-prefix-len"] == "448"
+    assert "--ignore-eos" in args  # every request generates exactly output_len tokens on both servers
+    for bad in ({"num_prompts": 0}, {"request_rate": 0.0}, {"output_len": 0}):
+        with pytest.raises(ValueError, match="online workload"):
+            OnlineWorkload(**bad)
+
+
+def test_a_bench_starts_cloudd_serve_with_its_own_engine_flags(default_model_path):
+    parser = build_parser()
+    bench = parser.parse_args(["bench", "--dtype", "float32", "--no-compile", "--kernels", "auto,dense=packed",
+                               "--num-blocks", "512", "--max-num-seqs", "40"])
+    served = parser.parse_args(["serve", *serve_argv(bench)])
+    for name in ENGINE_ARGS:
+        expected = model_path_from(bench) if name == "model" else getattr(bench, name)
+        assert getattr(served, name) == (str(expected) if name == "model" else expected), name
+    assert served.model == str(default_model_path)  # resolved once, in the bench: both run one file
+
+
+def test_no_robot_quotas_turns_off_the_three_per_robot_limits_and_nothing_else(tmp_path):
+    cfg = tmp_path / "cloudd.toml"
+    cfg.write_text("[serve]\nrobot_requests_per_s = 2.0\nrobot_tokens_per_min = 500.0\nrobot_max_in_flight = 3\n"
+                   "frames_per_s = 40.0\n")
+    parser = build_parser()
+    kept = serve_config_from(parser.parse_args(["serve", "--config", str(cfg)]))
+    off = serve_config_from(parser.parse_args(["serve", "--config", str(cfg), "--no-robot-quotas"]))
+    assert (kept.robot_requests_per_s, kept.robot_tokens_per_min, kept.robot_max_in_flight) == (2.0, 500.0, 3)
+    assert (off.robot_requests_per_s, off.robot_tokens_per_min, off.robot_max_in_flight) == (0.0, 0.0, 0)
+    assert off.frames_per_s == kept.frames_per_s == 40.0  # a sender's frame limit is not a robot quota
+
+
+def test_online_needs_the_vllm_baseline(capsys):
+    assert main(["bench", "--online"]) == 2
+    assert "give --baseline vllm" in capsys.readouterr().err
+    assert main(["bench", "--online", "--baseline", "vllm", "--pairs", "0", "--peers-dir", "/nonexistent"]) == 2
+    assert "--pairs must be >= 1" in capsys.readouterr().err
+
+
+# --- the whole pair: a real cloudd serve, a stand-in peer ---
+
+FAKE_SERVE = """\
+#!/usr/bin/env bash
+# serve.sh's contract: PORT [flags]; a server on loopback in the background; prints its PID
+HERE=$(cd "$(dirname "$0")" && pwd)
+PORT=$1; shift
+echo "$PORT $* model=$VLLM_MODEL name=$VLLM_MODEL_NAME" > "$HERE/serve-args"
+"$PEERS_DIR/vllm/bin/python" -m http.server --bind 127.0.0.1 "$PORT" > /dev/null 2>&1 &
+pid=$!
+echo "$pid" > "$HERE/server-pid"
+for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && { echo "$pid"; exit 0; }; sleep 0.1; done
+exit 1
+"""
+
+# `bench serve` in the peer's place: against cloudd (which lists --model) it sends 30 real chat
+# requests in a row from one anonymous client, more than the shipped per-robot burst (20) lets
+# through, and counts the answers; the stand-in peer gets canned figures
+FAKE_CLIENT = """\
+import argparse, json, pathlib, sys, urllib.error, urllib.request
+p = argparse.ArgumentParser()
+p.add_argument("words", nargs=2)
+for flag in ("--base-url", "--model", "--result-dir", "--result-filename", "--num-prompts"):
+    p.add_argument(flag)
+args, _ = p.parse_known_args()
+here = pathlib.Path(__file__).parent
+try:
+    models = json.load(urllib.request.urlopen(args.base_url + "/v1/models", timeout=30))
+    server = "cloudd" if [m["id"] for m in models["data"]] == [args.model] else "unexpected"
+except urllib.error.HTTPError:
+    server = "peer"
+(here / f"client-args-{server}").write_text(json.dumps(sys.argv[1:]))
+completed = failed = 0
+if server == "cloudd":
+    body = json.dumps({"model": args.model, "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "Which aisle?"}]}).encode()
+    for _ in range(30):
+        req = urllib.request.Request(args.base_url + "/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60).read()
+            completed += 1
+        except urllib.error.HTTPError:
+            failed += 1
+rate, ttft, tpot = (3.8, 928.0, 61.0) if server == "cloudd" else (3.49, 2154.0, 159.8)
+result = {"completed": completed or 160, "failed": failed, "request_throughput": rate, "output_throughput": 1.0,
+          "p50_ttft_ms": 1.0, "p99_ttft_ms": ttft, "p50_tpot_ms": tpot}
+pathlib.Path(args.result_dir, args.result_filename).write_text(json.dumps(result))
+"""
+
+
+def _stand_in_peer(tmp_path: Path, gguf: Path) -> tuple[Path, Path]:
+    """A peers folder with serve.sh and vllm_cli.py stand-ins, and a PEERS_DIR whose venv python
+    is this interpreter, with the fp32 HF folder setup.sh would make for ``gguf``."""
+    scripts, install = tmp_path / "peers", tmp_path / "installed"
+    (scripts / "vllm-cpu").mkdir(parents=True)
+    (scripts / "vllm-cpu" / "offline.py").write_text("")
+    (scripts / "vllm-cpu" / "serve.sh").write_text(FAKE_SERVE)
+    (scripts / "vllm-cpu" / "vllm_cli.py").write_text(FAKE_CLIENT)
+    (install / "vllm" / "bin").mkdir(parents=True)
+    (install / "vllm" / "bin" / "python").symlink_to(sys.executable)
+    (install / "models" / hf_folder_name(gguf)).mkdir(parents=True)
+    (install / "models" / hf_folder_name(gguf) / "config.json").write_text("{}")
+    return scripts, install
+
+
+def test_the_pair_runs_real_cloudd_serve_then_the_peer_and_stops_both(default_model_path, tmp_path, monkeypatch,
+                                                                      capsys):
+    scripts, install = _stand_in_peer(tmp_path, default_model_path)
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    cfg = tmp_path / "cloudd.toml"  # the shipped quotas (the defaults), float32 so the peer's folder is fp32
+    cfg.write_text('[engine]\ndtype = "float32"\nnum_blocks = 512\ncompile = false\ntime_kernels = false\n')
+    args = ["bench", "--online", "--baseline", "vllm", "--peers-dir", str(scripts), "--config", str(cfg),
+            "--limit", "30", "--request-rate", "8", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # exactly one JSON object on stdout; the report went to stderr
+    (pair,) = result["pairs"]
+    cloudd, peer = pair["runs"]["cloudd"], pair["runs"]["vllm"]
+    assert (cloudd["completed"], cloudd["failed"]) == (30, 0)  # one anonymous client, no 429: quotas off
+    assert peer["request_throughput"] == 3.49
+    assert result["vs_vllm"]["tpot_p50"] == pytest.approx(61.0 / 159.8)
+    assert result["bars_met"] == {"request_throughput": True, "tpot_p50": True, "ttft_p99": True}
+    assert result["model"] == default_model_path.stem and result["dtype"] == "float32"
+    assert "cloudd: 30 completed, 0 failed" in captured.err
+
+    here = scripts / "vllm-cpu"
+    port, *flags = (here / "serve-args").read_text().split()
+    assert flags[:2] == ["--dtype", "float32"]  # the peer runs the engine's dtype
+    assert f"name={default_model_path.stem}" in flags  # under cloudd's name: one client command fits both
+    assert f"model={install / 'models' / hf_folder_name(default_model_path)}" in flags
+    client = json.loads((here / "client-args-peer").read_text())
+    assert client[client.index("--base-url") + 1] == f"http://127.0.0.1:{port}"
+    assert client[client.index("--num-prompts") + 1] == "30" and client[client.index("--request-rate") + 1] == "8.0"
+    assert not (here / "client-args-unexpected").exists()
+    with pytest.raises(ProcessLookupError):  # the peer's server was stopped
+        os.kill(int((here / "server-pid").read_text()), 0)
+
+
+def test_a_peer_that_does_not_start_is_an_error_naming_its_script(default_model_path, tmp_path, monkeypatch):
+    from cloudd.online_peer import OnlineOptions, run_server
+
+    scripts, install = _stand_in_peer(tmp_path, default_model_path)
+    (scripts / "vllm-cpu" / "serve.sh").write_text("echo 'vllm serve did not become healthy' >&2; exit 1\n")
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=(), dtype="float32",
+                         model_name=default_model_path.stem)
+    with pytest.raises(RuntimeError, match=r"serve.sh failed \(vllm serve did not become healthy\)"):
+        run_server("vllm", opts)
