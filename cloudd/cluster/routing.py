@@ -61,7 +61,6 @@ class ReplicaState:
     in_flight: int = 0
     routed: int = 0  # requests sent to it
     prefix_hits: int = 0  # ... of which it had served a page of the prompt that only that robot sends
-    hit_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,7 +192,6 @@ class FleetRouting:
             hit = self._own_pages(hint, state.pages.match(hint.pages))
             if hit:
                 state.prefix_hits += 1
-                state.hit_pages += hit
             state.pages.insert(hint.pages)
             self._note_owner(hint.pages, hint.robot_id)
             intended, reason = self._chosen(hint.request_id, None) or (replica, self.config.policy)

@@ -94,6 +94,24 @@ def test_host_spills_to_disk_and_reloads_identically(tmp_path):
     engine.close()
 
 
+def test_the_disk_drops_its_least_recently_read_pages_not_its_oldest(tmp_path):
+    # nine disk pages; a host of a few. Four robots' prompts spill to disk, robot A's oldest;
+    # A comes back (its pages read from disk), then a fifth robot pushes the disk past its bound
+    engine = tier_engine(MODEL, tier_config(num_blocks=12, disk_dir=str(tmp_path), host_mb=0.01))
+    disk = engine.tiers.disk
+    disk.max_pages = 9
+    prompts = [[10 * robot + 1 + i for i in range(9)] for robot in range(5)]  # no shared prefix
+    a, b, *_ = one_by_one_requests(engine, prompts[:4])
+    assert a.cache.page_hashes[0] in disk
+    (again,) = one_by_one_requests(engine, prompts[:1])
+    read = again.num_cached_tokens // engine.config.block_size
+    assert read >= 1 and engine.stats().tiers.hit_tokens["disk"] > 0
+    one_by_one_requests(engine, prompts[4:])
+    assert all(h in disk for h in again.cache.page_hashes[:read])  # read since: kept
+    assert b.cache.page_hashes[0] not in disk  # written after A's, never read: dropped first
+    engine.close()
+
+
 def test_restart_with_warm_disk_tier_hits(tmp_path):
     prompts = returning_robots(random.Random(3), robots=3, turns=2)
     first = tier_engine(MODEL, tier_config(num_blocks=400, disk_dir=str(tmp_path), host_mb=0.01))

@@ -76,6 +76,7 @@ class DiskTier:
         return len(self._index)
 
     def touch(self, page_hash: PageHash) -> None:
+        """``page_hash`` was used (read) now: the last of the stored pages to be dropped."""
         if page_hash in self._index:
             self._index.move_to_end(page_hash)
 

@@ -180,6 +180,8 @@ class HiCache:
                 page = self._allocate_host(page_hash)
                 if page is None:
                     break
+                if self.disk is not None:  # a read is a use: the disk drops its least recently used
+                    self.disk.touch(page_hash)
             quiet = quiet and not on_disk_only and not self.host.is_locked(page)
             self.host.lock(page)
             pages.append(page)
@@ -208,10 +210,6 @@ class HiCache:
             if ticket is not None:
                 finished.append(ticket)
         return finished
-
-    @property
-    def num_loading(self) -> int:
-        return len(self._loads)
 
     @property
     def num_layerwise_loading(self) -> int:
@@ -366,6 +364,7 @@ class HiCache:
             alloc = self.host.allocate(page_hash, evict=False)
             if alloc is None:
                 break
+            self.disk.touch(page_hash)
             self.host.lock(alloc.page)
             self.on_page_moved(page_hash)
             pages.append(alloc.page)

@@ -53,10 +53,6 @@ class TreeNode:
     last_access: int = 0  # RadixTree clock tick, not wall time
     node_id: int = field(default_factory=lambda: next(_node_ids))  # heap tie-break
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix (compares 64-token slices in C first)."""
