@@ -58,13 +58,14 @@ def attach(weight: torch.Tensor, projection: TileQuantProjection) -> None:
 
 
 def attached(weight: torch.Tensor) -> TileQuantProjection | None:
+    """The projection ``attach`` gave ``weight``; None for a weight without one."""
     return _ATTACHED.get(weight.data_ptr())
 
 
 def tile_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [M, K] times ``weight`` transposed plus ``bias``: on its attached K-quant codes
     where it has them, else as the weight's own form multiplies."""
-    projection = _ATTACHED.get(weight.data_ptr())
+    projection = attached(weight)
     return weight_linear(x, weight, bias) if projection is None else projection(x, bias)
 
 
