@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
         response_formats=args.response_format,
         baselines=args.baseline or (),
         baseline_batch_size=args.baseline_batch,
-        output_len=args.output_len or OUTPUT_LEN,
+        output_len=OUTPUT_LEN if args.output_len is None else args.output_len,
         limit=args.limit,
         robots=args.robots,
         tiers=args.tiers,
@@ -132,7 +132,7 @@ def _cmd_cluster_bench(args) -> int:
         raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
-    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), args.output_len or OUTPUT_LEN, args.limit,
+    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), OUTPUT_LEN if args.output_len is None else args.output_len, args.limit,
                                args.rate_scale, args.device_pool_frac)
     with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
         result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -156,8 +156,8 @@ def _cmd_online_bench(args) -> int:
     if args.serve or args.cluster:
         raise ValueError("--online starts its own servers: it does not combine with --serve or --cluster")
     model = model_path_from(args)
-    workload = OnlineWorkload(num_prompts=args.limit or OnlineWorkload.num_prompts, request_rate=args.request_rate,
-                              output_len=args.output_len or OnlineWorkload.output_len)
+    given = {"num_prompts": args.limit, "output_len": args.output_len}
+    workload = OnlineWorkload(request_rate=args.request_rate, **{k: v for k, v in given.items() if v is not None})
     opts = OnlineOptions(
         peer=VllmPeer.located(model, args.peers_dir),
         serve_args=tuple(serve_argv(args)), dtype=engine_config_from(args).dtype_choice.name,

@@ -158,13 +158,16 @@ ENGINE_ARGS = ("config", "model", "dtype", "compile", "device", "kernels", "time
 
 def serve_argv(args) -> list[str]:
     """`cloudd serve`'s flags for this command's engine flags (those given), with the model
-    resolved here: a server started from a bench runs the engine the bench was asked for."""
+    resolved here and paths made absolute: a server started from a bench, in another working
+    directory, runs the engine the bench was asked for."""
     argv = []
     for name in ENGINE_ARGS:
         value = model_path_from(args) if name == "model" else getattr(args, name)
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, Path):
+            argv += [flag, str(value.resolve())]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -39,8 +38,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cloudd.peer_baseline import VllmPeer, log_tail, shown_path
+from shared.config import environment_for_peers
 from shared.daemon_process import DaemonProcess
 from shared.engine.kernel_choice import cpu_signature
+from shared.transport.loopback import free_port
 
 Log = Callable[[str], None]
 
@@ -70,11 +71,17 @@ class OnlineWorkload:
     seed: int = 7
 
     def __post_init__(self) -> None:
-        if min(self.num_prompts, self.prefix_len, self.suffix_len, self.num_prefixes, self.output_len) < 1:
-            raise ValueError(f"online workload: prompts, prefix and suffix lengths, prefixes and output length "
-                             f"must be >= 1, got {self}")
+        if min(self.num_prompts, self.prefix_len, self.suffix_len, self.num_prefixes) < 1 or self.output_len < 2:
+            raise ValueError(f"online workload: prompts, prefix and suffix lengths and prefixes must be >= 1, the "
+                             f"output length >= 2 (TPOT is the time between tokens), got {self}")
         if not self.request_rate > 0:
             raise ValueError(f"online workload: request_rate must be > 0, got {self.request_rate}")
+
+    @property
+    def client_timeout_s(self) -> float:
+        """How long the client may run: ten times its arrivals' span plus ten minutes (a server that
+        falls behind finishes late; one that stopped answering would hold the client for hours)."""
+        return 10 * self.num_prompts / self.request_rate + 600
 
     def client_args(self) -> list[str]:
         return ["--dataset-name", "prefix_repetition",
@@ -93,6 +100,7 @@ class OnlineRun:
     server: str
     completed: int
     failed: int
+    output_tokens: int
     request_throughput: float
     output_throughput: float
     ttft_p50_ms: float
@@ -103,15 +111,25 @@ class OnlineRun:
     def from_result(cls, server: str, result: dict) -> OnlineRun:
         """From ``bench serve --save-result`` JSON run with ``--metric-percentiles 50,99``;
         ValueError naming the keys it lacks."""
-        keys = {"completed": "completed", "failed": "failed", "request_throughput": "request_throughput",
+        keys = {"completed": "completed", "failed": "failed", "output_tokens": "total_output_tokens",
+                "request_throughput": "request_throughput",
                 "output_throughput": "output_throughput", "ttft_p50_ms": "p50_ttft_ms",
                 "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "p50_tpot_ms"}
         missing = [k for k in keys.values() if k not in result]
         if missing:
             raise ValueError(f"the client's result lacks {', '.join(missing)}")
         values = {field: result[key] for field, key in keys.items()}
-        counts = {k: int(values.pop(k)) for k in ("completed", "failed")}
+        counts = {k: int(values.pop(k)) for k in ("completed", "failed", "output_tokens")}
         return cls(server, **counts, **{k: float(v) for k, v in values.items()})
+
+    def check_complete(self, workload: OnlineWorkload) -> None:
+        """ValueError unless every request of ``workload`` was answered with all its tokens (the
+        client's latencies count answered requests only: a server that failed some would look
+        faster)."""
+        expected = workload.num_prompts * workload.output_len
+        if self.failed or self.completed != workload.num_prompts or self.output_tokens != expected:
+            raise ValueError(f"{self.completed} of {workload.num_prompts} requests answered ({self.failed} failed), "
+                             f"{self.output_tokens} of {expected} output tokens: no comparison without all of them")
 
     def summary(self) -> str:
         return (f"{self.server}: {self.completed} completed, {self.failed} failed, "
@@ -120,12 +138,8 @@ class OnlineRun:
 
 
 def ratios(cloudd: OnlineRun, peer: OnlineRun) -> dict[str, float]:
-    """cloudd's figure over the peer's, per bar (inf where the peer's is 0)."""
-    out = {}
-    for name, (field, _, _) in BARS.items():
-        ours, theirs = getattr(cloudd, field), getattr(peer, field)
-        out[name] = ours / theirs if theirs else float("inf")
-    return out
+    """cloudd's figure over the peer's, per bar (complete runs: every figure is above 0)."""
+    return {name: getattr(cloudd, field) / getattr(peer, field) for name, (field, _, _) in BARS.items()}
 
 
 def bars_met(ratio: dict[str, float]) -> dict[str, bool]:
@@ -167,7 +181,7 @@ def run_online(opts: OnlineOptions, log: Log) -> dict:
     """This CPU's signature, every pair's two runs, their ratios, the median ratios and the bars met
     on them; raises RuntimeError (with a log's tail) when a server does not start or the client
     fails."""
-    opts.peer.check(opts.dtype)
+    opts.peer.check(opts.dtype, online=True)
     pairs = []
     for pair in range(opts.pairs):
         runs = {}
@@ -202,78 +216,96 @@ def _cloudd_server(opts: OnlineOptions) -> Iterator[str]:
                                       "--zmq-port", "0"], ready="cloudd ready:", timeout_s=CLOUDD_READY_TIMEOUT_S)
     try:
         yield daemon.fields["http"]
-    finally:
+    except BaseException:  # the run's own error (or an interrupt) is the one to report
+        daemon.kill()
+        raise
+    try:
         code = daemon.terminate()
-        if code != 0:
-            raise RuntimeError(f"cloudd serve exited with {code}; the end of its log:\n{daemon.log()}")
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"cloudd serve did not stop within {e.timeout:.0f} s of SIGTERM (killed)") from e
+    if code != 0:
+        raise RuntimeError(f"cloudd serve exited with {code}; the end of its log:\n{daemon.log()}")
 
 
 @contextmanager
 def _vllm_server(opts: OnlineOptions) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     with tempfile.NamedTemporaryFile(prefix="fleetserve-vllm-serve-", suffix=".log", delete=False) as log_file:
         log_path = Path(log_file.name)
-    env = {**os.environ, "PEERS_DIR": str(opts.peer.install), "VLLM_MODEL": str(opts.peer.model(opts.dtype)),
-           "VLLM_MODEL_NAME": opts.model_name, "VLLM_LOG": str(log_path)}
-    # NOTE: its own session: serve.sh starts the server in the background and returns; the group
-    # (the API server and its engine process) is what stopping ends
-    starter = subprocess.run(["bash", str(opts.peer.serve_script), str(port), "--dtype", opts.dtype],
-                             env=env, capture_output=True, text=True, start_new_session=True)
+    env = {**environment_for_peers(), "PEERS_DIR": str(opts.peer.install),
+           "VLLM_MODEL": str(opts.peer.model(opts.dtype)), "VLLM_MODEL_NAME": opts.model_name,
+           "VLLM_LOG": str(log_path)}
+    # NOTE: its own session, so its process group is serve.sh's PID: the script starts the server
+    # in the background and returns, and stopping ends the group (the API server and its engine
+    # process), whether the script succeeded, failed or was interrupted
+    starter = subprocess.Popen(["bash", str(opts.peer.serve_script), str(port), "--dtype", opts.dtype], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
     try:
+        _, err = starter.communicate()
         if starter.returncode != 0:
-            raise RuntimeError(f"{shown_path(opts.peer.serve_script)} failed ({starter.stderr.strip()}); the end of "
+            raise RuntimeError(f"{shown_path(opts.peer.serve_script)} failed ({err.strip()}); the end of "
                                f"vLLM's log:\n{log_tail(log_path)}")
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop_group(int(starter.stdout.split()[-1]) if starter.returncode == 0 else None)
+        _stop_group(starter.pid)
         log_path.unlink(missing_ok=True)
 
 
 def run_client(base_url: str, opts: OnlineOptions, server: str) -> OnlineRun:
-    """The peer's ``bench serve`` against ``base_url``: its figures for ``server``."""
-    peer = opts.peer
+    """The peer's ``bench serve`` against ``base_url``: its figures for ``server``. RuntimeError
+    when the client fails, runs past its time limit, or a request failed or stopped short (a
+    comparison needs every request answered in full on both servers)."""
+    peer, workload = opts.peer, opts.workload
     with tempfile.TemporaryDirectory(prefix="fleetserve-online-") as tmp:
         cmd = [str(peer.python), str(peer.cli_script), "bench", "serve", "--backend", "openai-chat",
                "--base-url", base_url, "--endpoint", "/v1/chat/completions", "--model", opts.model_name,
-               "--tokenizer", str(peer.model(opts.dtype)), *opts.workload.client_args(),
+               "--tokenizer", str(peer.model(opts.dtype)), *workload.client_args(),
                "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
         log_path = Path(tmp) / "client.log"
         with open(log_path, "w", encoding="utf-8") as log:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+            try:
+                code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=environment_for_peers(), timeout=workload.client_timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the peer's client against {server} ran past {workload.client_timeout_s:.0f} s "
+                                   f"(stopped); the end of its log:\n{log_tail(log_path)}") from None
         result_path = Path(tmp) / "result.json"
         if code != 0 or not result_path.is_file():
             raise RuntimeError(f"the peer's client against {server} exited with {code}; the end of its log:\n"
                                + log_tail(log_path))
         try:
-            return OnlineRun.from_result(server, json.loads(result_path.read_text(encoding="utf-8")))
+            run = OnlineRun.from_result(server, json.loads(result_path.read_text(encoding="utf-8")))
+            run.check_complete(workload)
         except (ValueError, TypeError) as e:
-            raise RuntimeError(f"the peer's client against {server}: {e}") from e
+            raise RuntimeError(f"the peer's client against {server}: {e}; the end of its log:\n"
+                               + log_tail(log_path)) from e
+        return run
 
 
-def _stop_group(pid: int | None) -> None:
-    """SIGTERM ``pid``'s process group, then SIGKILL what is left after VLLM_STOP_TIMEOUT_S."""
-    if pid is None:
-        return
-    try:
-        pgid = os.getpgid(pid)
-    except ProcessLookupError:
-        return
+def _stop_group(pgid: int) -> None:
+    """SIGTERM process group ``pgid``, then SIGKILL what is left after VLLM_STOP_TIMEOUT_S."""
     for sig, wait_s in ((signal.SIGTERM, VLLM_STOP_TIMEOUT_S), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
+        while _group_runs(pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
+        if not _group_runs(pgid):
+            return
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs: a zombie that its parent (here, after the
+    starter exited, whoever reaps orphans) has not reaped yet does not."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(group) == pgid and state != "Z":
+            return True
+    return False

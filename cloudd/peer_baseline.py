@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cloudd.trace import TraceRequest
+from shared.config import environment_for_peers
 from shared.progress import Progress
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -89,10 +90,13 @@ class VllmPeer:
         folder = self.install / "models" / hf_folder_name(self.gguf)
         return folder / "bf16" if dtype == "bfloat16" else folder
 
-    def check(self, dtype: str = "bfloat16") -> None:
-        """Raise PeerUnavailable naming what is missing and the command that sets it up."""
-        if not self.script.is_file():
-            raise PeerUnavailable(f"--baseline vllm: no peer script at {self.script}; point --peers-dir "
+    def check(self, dtype: str = "bfloat16", online: bool = False) -> None:
+        """Raise PeerUnavailable naming what is missing and the command that sets it up; ``online``:
+        the server's and the client's scripts too."""
+        scripts = (self.script, self.serve_script, self.cli_script) if online else (self.script,)
+        absent = [script for script in scripts if not script.is_file()]
+        if absent:
+            raise PeerUnavailable(f"--baseline vllm: no peer script at {absent[0]}; point --peers-dir "
                                   "(or FLEETSERVE_PEERS_DIR) at the shared peers folder (../shared/peers)")
         missing = [f"{what} ({path})" for what, path, ok in (
             ("the vLLM venv's python", self.python, self.python.is_file()),
@@ -162,7 +166,8 @@ def _run(cmd: list[str], log, progress: bool) -> tuple[int, str]:
     """Run ``cmd`` with stderr to ``log``, drawing an elapsed-time line meanwhile; (exit code, stdout)."""
     with tempfile.TemporaryFile("w+", encoding="utf-8") as out, Progress("vllm", None, enabled=progress) as bar:
         # NOTE: its own session, so that an interrupted run can end vLLM's engine process too.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=environment_for_peers())
         try:
             while True:
                 try:

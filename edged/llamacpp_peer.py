@@ -12,13 +12,15 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shared.config import environment_for_peers
+from shared.transport.loopback import free_port
 
 SETUP_HINT = "set it up with ../shared/peers/llamacpp/setup.sh (builds llama.cpp from PyPI's llama-cpp-python sdist, ~15 min)"
 
@@ -56,13 +58,11 @@ class LlamaServer:
 
     def __init__(self, model: Path, threads: int, context: int = 4096, start_timeout_s: float = 120.0) -> None:
         binary = peer_binary("llama-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.process = subprocess.Popen(
             [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(context),
              "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment_for_peers())
         try:
             self._wait_healthy(start_timeout_s)
         except BaseException:
@@ -152,6 +152,7 @@ def _read_stream(response) -> tuple[list[float], list[str], dict, str]:
 def llama_bench_decode(model: Path, threads: int, tokens: int = 128) -> float:
     """``llama-bench -n tokens`` (tg128 by default): the peer's own decode tokens/s at batch 1."""
     out = subprocess.run([str(peer_binary("llama-bench")), "-m", str(model), "-t", str(threads), "-p", "0",
-                          "-n", str(tokens), "-o", "json"], capture_output=True, text=True, check=True, timeout=600)
+                          "-n", str(tokens), "-o", "json"], capture_output=True, text=True, check=True, timeout=600,
+                         env=environment_for_peers())
     (row,) = [r for r in json.loads(out.stdout) if r.get("n_gen") == tokens]
     return float(row["avg_ts"])

@@ -14,7 +14,6 @@ there too. Run it with ``python examples/fleet_demo.py`` from the repository roo
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from robot_sdk import Place, Plan, PlanClient, Scene, Thing, skill
 from shared.daemon_process import DaemonProcess
 from shared.transport.curve import create_keys
+from shared.transport.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the robot sees: a grounded argument (Place, Thing) can name only these, whatever the model writes.
@@ -131,9 +131,7 @@ def step_text(step) -> str:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fleetserve-demo-") as d:
         tmp = Path(d)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            cloud_port = s.getsockname()[1]
+        cloud_port = free_port()
         robot = PlanClient(f"ipc://{tmp}/edged.sock", robot_id="amr-030", timeout_s=300)
         # edged pins exactly the system prompt the SDK sends for these skills
         cloudd_cfg, edged_cfg = configs(tmp, cloud_port, robot.system_prompt(SKILLS))

@@ -17,14 +17,27 @@ SERVER_SPIN_COUNT = 200_000  # cloudd: the box is the engine's; fleet-256 ran 7-
 SHARED_CPU_SPIN_COUNT = 10_000  # edged: the robot's other processes want the cores back at once
 
 
+_OWN_OPENMP_SETTINGS: set[str] = set()  # the variables set_openmp_wait_defaults set, not the user
+
+
 def set_openmp_wait_defaults(spin_count: int) -> None:
     """How OpenMP threads wait between ops, unless the environment already says: call before torch
     loads (a daemon's entry point does). They spin at most ``spin_count`` iterations, then sleep.
     Endless spinning (ACTIVE) costs 2-5x when another process wants the cores; sleeping at once
     (PASSIVE alone) costs each of a step's ~500 parallel ops a wake-up (measured: a 64-row decode
     step's dense layers 66 ms with PASSIVE alone, 35 ms with a spin)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", str(spin_count))  # libgomp: overrides PASSIVE's zero spin
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"),
+                        ("GOMP_SPINCOUNT", str(spin_count))):  # libgomp: overrides PASSIVE's zero spin
+        if name not in os.environ:
+            os.environ[name] = value
+            _OWN_OPENMP_SETTINGS.add(name)
+
+
+def environment_for_peers() -> dict[str, str]:
+    """This process's environment without the OpenMP settings ``set_openmp_wait_defaults`` put
+    there: a peer (vLLM, llama.cpp) started from a bench runs as it would from the user's shell,
+    not with the daemon's choices (PASSIVE waits change an OpenMP runtime's speed)."""
+    return {k: v for k, v in os.environ.items() if k not in _OWN_OPENMP_SETTINGS}
 
 
 def keep_freed_memory_in_process() -> None:

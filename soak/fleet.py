@@ -11,7 +11,6 @@ operator key watches (stats, health).
 from __future__ import annotations
 
 import signal
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from robot_sdk.skills import as_skills
 from shared.daemon_process import DaemonProcess
 from shared.transport.client import ClientConfig, FleetClient
 from shared.transport.curve import ClientCurve, create_keys
+from shared.transport.loopback import free_port
 from soak.link_proxy import LinkProxy
 from soak.plans import MAX_STEPS, SKILLS
 
@@ -29,11 +29,6 @@ EDGE_ROBOT = "amr-edge"
 FUZZ_ROBOT = "fuzzbot"
 ESCALATE_TAG = "multi-floor"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def is_loopback(host: str) -> bool:
@@ -15,6 +16,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds now, for a server that is given a port number
+    (another process may take it first: a server that can bind port 0 itself should)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def is_local_endpoint(endpoint: str) -> bool:

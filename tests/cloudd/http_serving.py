@@ -15,6 +15,7 @@ from cloudd.server import CloudServer, ServeConfig
 from shared.engine.engine import Engine
 from shared.engine.engine_config import EngineConfig
 from shared.transport.client import FleetClient
+from shared.transport.loopback import free_port
 from tests.engine.tiny import tiny_model
 from tests.serving_thread import serving_thread
 
@@ -51,9 +52,7 @@ def serve_api(ctx: ApiContext, limits: HttpLimits = HttpLimits()) -> Iterator[st
 
 def unused_endpoint() -> str:
     """A loopback ZeroMQ endpoint nobody listens on: a request sent there stays in flight."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def address(url: str) -> tuple[str, int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.policy import FleetPolicy
 from shared.protocol.messages import Generate, Priority, Sampling
 from shared.transport.client import ClientConfig, FleetClient
+from shared.transport.loopback import free_port
 from tests.engine.tiny import tiny_model
 from tests.robot_grants import ROBOT_GRANTS
 
@@ -175,9 +175,7 @@ def test_top_refreshes_then_exits(fleet, capsys):
 
 
 def test_silent_endpoint_is_one_line_and_exit_1(capsys):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # a port nobody listens on
     assert main(["status", "--endpoint", endpoint, "--timeout", "0.5"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""

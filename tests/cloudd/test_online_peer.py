@@ -6,7 +6,6 @@ loopback HTTP server and a client script in the peer's place)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -14,16 +13,18 @@ import pytest
 
 from cloudd.__main__ import build_parser, main
 from cloudd.assembly import ENGINE_ARGS, model_path_from, serve_argv, serve_config_from
-from cloudd.online_peer import OnlineRun, OnlineWorkload, bars_met, format_ratios, ratios, server_order
+from cloudd.online_peer import (OnlineOptions, OnlineRun, OnlineWorkload, bars_met, format_ratios, ratios, run_client,
+                                run_server, server_order)
 from cloudd.peer_baseline import VllmPeer, hf_folder_name
+from shared.transport.loopback import free_port
 
-RESULT = {"completed": 160, "failed": 0, "request_throughput": 3.8, "output_throughput": 240.0,
+RESULT = {"completed": 160, "failed": 0, "total_output_tokens": 160 * 64, "request_throughput": 3.8, "output_throughput": 240.0,
           "median_ttft_ms": 170.0, "p50_ttft_ms": 169.0, "p99_ttft_ms": 928.0, "median_tpot_ms": 61.0,
           "p50_tpot_ms": 61.0, "p99_tpot_ms": 80.0, "num_prompts": 160, "duration": 42.1}
 
 
 def run(server: str, rate: float, ttft_p99: float, tpot_p50: float) -> OnlineRun:
-    return OnlineRun(server, 160, 0, rate, rate * 64, 100.0, ttft_p99, tpot_p50)
+    return OnlineRun(server, 160, 0, 160 * 64, rate, rate * 64, 100.0, ttft_p99, tpot_p50)
 
 
 def test_a_run_is_read_from_the_clients_result_file():
@@ -48,9 +49,12 @@ def test_ratios_are_cloudds_over_the_peers_and_each_bar_has_its_side():
     assert format_ratios({"request_throughput": 1.07, "tpot_p50": 1.44, "ttft_p99": 0.72}).count("missed") == 1
 
 
-def test_a_peer_figure_of_zero_gives_an_infinite_ratio_not_an_error():
-    ratio = ratios(run("cloudd", 3.0, 900.0, 60.0), run("vllm", 0.0, 900.0, 60.0))
-    assert ratio["request_throughput"] == float("inf") and bars_met(ratio)["request_throughput"]
+def test_a_run_compares_only_with_every_request_answered_in_full():
+    workload = OnlineWorkload()  # 160 requests of 64 tokens
+    OnlineRun.from_result("cloudd", RESULT).check_complete(workload)
+    for short in ({"failed": 1, "completed": 159}, {"total_output_tokens": 160 * 64 - 3}, {"completed": 150}):
+        with pytest.raises(ValueError, match="no comparison without all of them"):
+            OnlineRun.from_result("cloudd", {**RESULT, **short}).check_complete(workload)
 
 
 def test_the_order_alternates_from_cloudd_first():
@@ -63,20 +67,22 @@ def test_the_workload_is_the_clients_flags_and_rejects_what_cannot_run():
     assert flags["--dataset-name"] == "prefix_repetition" and flags["--num-prompts"] == "12"
     assert flags["--request-rate"] == "2.5" and flags["--prefix-repetition-prefix-len"] == "448"
     assert "--ignore-eos" in args  # every request generates exactly output_len tokens on both servers
-    for bad in ({"num_prompts": 0}, {"request_rate": 0.0}, {"output_len": 0}):
+    for bad in ({"num_prompts": 0}, {"request_rate": 0.0}, {"output_len": 1}):
         with pytest.raises(ValueError, match="online workload"):
             OnlineWorkload(**bad)
 
 
-def test_a_bench_starts_cloudd_serve_with_its_own_engine_flags(default_model_path):
+def test_a_bench_starts_cloudd_serve_with_its_own_engine_flags(default_model_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the server runs in the repository root: relative paths are resolved first
+    Path("engine.toml").write_text("[engine]\nblock_size = 16\n")
     parser = build_parser()
-    bench = parser.parse_args(["bench", "--dtype", "float32", "--no-compile", "--kernels", "auto,dense=packed",
-                               "--num-blocks", "512", "--max-num-seqs", "40"])
+    bench = parser.parse_args(["bench", "--config", "engine.toml", "--dtype", "float32", "--no-compile",
+                               "--kernels", "auto,dense=packed", "--num-blocks", "512", "--max-num-seqs", "40"])
     served = parser.parse_args(["serve", *serve_argv(bench)])
-    for name in ENGINE_ARGS:
-        expected = model_path_from(bench) if name == "model" else getattr(bench, name)
-        assert getattr(served, name) == (str(expected) if name == "model" else expected), name
-    assert served.model == str(default_model_path)  # resolved once, in the bench: both run one file
+    for name in set(ENGINE_ARGS) - {"model", "config"}:
+        assert getattr(served, name) == getattr(bench, name), name
+    assert served.config == tmp_path / "engine.toml"
+    assert served.model == str(model_path_from(bench)) == str(default_model_path)  # resolved once, in the bench
 
 
 def test_no_robot_quotas_turns_off_the_three_per_robot_limits_and_nothing_else(tmp_path):
@@ -113,28 +119,30 @@ for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && { ec
 exit 1
 """
 
-# `bench serve` in the peer's place: against cloudd (which lists --model) it sends 30 real chat
-# requests in a row from one anonymous client, more than the shipped per-robot burst (20) lets
-# through, and counts the answers; the stand-in peer gets canned figures
+# `bench serve` in the peer's place: against cloudd (which lists --model) it sends its requests
+# in a row from one anonymous client, more than the test's per-robot quota lets through, and
+# counts the answers; the stand-in peer gets canned figures (one failed with FAKE_PEER_FAILS set)
 FAKE_CLIENT = """\
-import argparse, json, pathlib, sys, urllib.error, urllib.request
+import argparse, json, os, pathlib, sys, urllib.error, urllib.request
 p = argparse.ArgumentParser()
 p.add_argument("words", nargs=2)
-for flag in ("--base-url", "--model", "--result-dir", "--result-filename", "--num-prompts"):
+for flag in ("--base-url", "--model", "--result-dir", "--result-filename", "--num-prompts",
+             "--prefix-repetition-output-len"):
     p.add_argument(flag)
 args, _ = p.parse_known_args()
 here = pathlib.Path(__file__).parent
+num_prompts, output_len = int(args.num_prompts), int(args.prefix_repetition_output_len)
 try:
     models = json.load(urllib.request.urlopen(args.base_url + "/v1/models", timeout=30))
     server = "cloudd" if [m["id"] for m in models["data"]] == [args.model] else "unexpected"
-except urllib.error.HTTPError:
+except urllib.error.URLError:
     server = "peer"
 (here / f"client-args-{server}").write_text(json.dumps(sys.argv[1:]))
 completed = failed = 0
 if server == "cloudd":
     body = json.dumps({"model": args.model, "max_tokens": 1,
                        "messages": [{"role": "user", "content": "Which aisle?"}]}).encode()
-    for _ in range(30):
+    for _ in range(num_prompts):
         req = urllib.request.Request(args.base_url + "/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})
         try:
@@ -142,9 +150,13 @@ if server == "cloudd":
             completed += 1
         except urllib.error.HTTPError:
             failed += 1
+else:
+    failed = int(os.environ.get("FAKE_PEER_FAILS", "0"))
+    completed = num_prompts - failed
 rate, ttft, tpot = (3.8, 928.0, 61.0) if server == "cloudd" else (3.49, 2154.0, 159.8)
-result = {"completed": completed or 160, "failed": failed, "request_throughput": rate, "output_throughput": 1.0,
-          "p50_ttft_ms": 1.0, "p99_ttft_ms": ttft, "p50_tpot_ms": tpot}
+result = {"completed": completed, "failed": failed, "total_output_tokens": completed * output_len,
+          "request_throughput": rate, "output_throughput": 1.0, "p50_ttft_ms": 1.0, "p99_ttft_ms": ttft,
+          "p50_tpot_ms": tpot}
 pathlib.Path(args.result_dir, args.result_filename).write_text(json.dumps(result))
 """
 
@@ -168,8 +180,9 @@ def test_the_pair_runs_real_cloudd_serve_then_the_peer_and_stops_both(default_mo
                                                                       capsys):
     scripts, install = _stand_in_peer(tmp_path, default_model_path)
     monkeypatch.setenv("PEERS_DIR", str(install))
-    cfg = tmp_path / "cloudd.toml"  # the shipped quotas (the defaults), float32 so the peer's folder is fp32
-    cfg.write_text('[engine]\ndtype = "float32"\nnum_blocks = 512\ncompile = false\ntime_kernels = false\n')
+    cfg = tmp_path / "cloudd.toml"  # a tight quota the 30 requests would cross; float32: the peer's fp32 folder
+    cfg.write_text('[engine]\ndtype = "float32"\nnum_blocks = 512\ncompile = false\ntime_kernels = false\n'
+                   '[serve]\nrobot_requests_per_s = 0.01\nrobot_burst = 5\n')
     args = ["bench", "--online", "--baseline", "vllm", "--peers-dir", str(scripts), "--config", str(cfg),
             "--limit", "30", "--request-rate", "8", "--json"]
     assert main(args) == 0
@@ -193,13 +206,18 @@ def test_the_pair_runs_real_cloudd_serve_then_the_peer_and_stops_both(default_mo
     assert client[client.index("--base-url") + 1] == f"http://127.0.0.1:{port}"
     assert client[client.index("--num-prompts") + 1] == "30" and client[client.index("--request-rate") + 1] == "8.0"
     assert not (here / "client-args-unexpected").exists()
-    with pytest.raises(ProcessLookupError):  # the peer's server was stopped
-        os.kill(int((here / "server-pid").read_text()), 0)
+    assert not _runs(int((here / "server-pid").read_text()))  # the peer's server was stopped
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` runs: a stopped orphan may stay a zombie until its new parent reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_peer_that_does_not_start_is_an_error_naming_its_script(default_model_path, tmp_path, monkeypatch):
-    from cloudd.online_peer import OnlineOptions, run_server
-
     scripts, install = _stand_in_peer(tmp_path, default_model_path)
     (scripts / "vllm-cpu" / "serve.sh").write_text("echo 'vllm serve did not become healthy' >&2; exit 1\n")
     monkeypatch.setenv("PEERS_DIR", str(install))
@@ -207,3 +225,13 @@ def test_a_peer_that_does_not_start_is_an_error_naming_its_script(default_model_
                          model_name=default_model_path.stem)
     with pytest.raises(RuntimeError, match=r"serve.sh failed \(vllm serve did not become healthy\)"):
         run_server("vllm", opts)
+
+
+def test_a_run_with_a_failed_request_is_an_error_not_a_figure(default_model_path, tmp_path, monkeypatch):
+    scripts, install = _stand_in_peer(tmp_path, default_model_path)
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    monkeypatch.setenv("FAKE_PEER_FAILS", "1")
+    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=(), dtype="float32",
+                         model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
+    with pytest.raises(RuntimeError, match=r"against vllm: 7 of 8 requests answered \(1 failed\)"):
+        run_client(f"http://127.0.0.1:{free_port()}", opts, "vllm")  # nobody there: the stand-in's canned figures

@@ -5,7 +5,6 @@ policy, the HTTP path, and unreachable servers."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -20,6 +19,7 @@ from shared.engine.engine_config import EngineConfig
 from shared.engine.policy import FCFS, FleetPolicy
 from shared.model.gguf_loader import build_tokenizer, read_gguf
 from shared.transport.client import FleetClient
+from shared.transport.loopback import free_port
 from tests.engine.tiny import tiny_model
 from tests.robot_grants import ROBOT_GRANTS
 
@@ -73,11 +73,6 @@ def servers(default_model_path):
         thread.join(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_one_server_reports_both_priority_classes(servers, trace_file):
     fleet = servers["fleet"][0]
@@ -117,7 +112,7 @@ def test_http_url_streams_chat_completions(servers, trace_file):
 
 
 def test_unreachable_zmq_server_fails_fast_naming_the_url(trace_file):
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=url):
         run_serve_bench(ServeBenchOptions(trace_file, (url,), probe_timeout_s=0.5), log=lambda _: None)
@@ -125,7 +120,7 @@ def test_unreachable_zmq_server_fails_fast_naming_the_url(trace_file):
 
 
 def test_unreachable_http_server_exits_2(trace_file, capsys):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert main(["bench", "--serve", url, "--trace", str(trace_file)]) == 2
     assert url in capsys.readouterr().err
 

@@ -5,7 +5,6 @@ and a robot key the cloud does not know."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from shared.protocol.messages import (Cancel, ChatMessage, Chunk, Error, ErrorCo
                                       Result, Sampling, Source)
 from shared.transport.client import ClientConfig, FleetClient, RequestFailed
 from shared.transport.curve import ClientCurve, create_keys
+from shared.transport.loopback import free_port
 
 SYSTEM = (Path(__file__).resolve().parents[2] / "configs/prompts/amr.txt").read_text()
 MAX_LEN = 640
@@ -33,11 +33,6 @@ def task(text: str) -> tuple[ChatMessage, ...]:
 def request(rid: str, text: str = "go to waypoint 17.", max_tokens: int = 24, **kw) -> Generate:
     return Generate(rid, messages=task(text), sampling=Sampling(max_tokens=max_tokens), **kw)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Fleet:

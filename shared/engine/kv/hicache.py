@@ -171,6 +171,8 @@ class HiCache:
         runs layer by layer (``ticket.layerwise``): it lands whole, and its hits count now."""
         hit, req = ticket.hit, ticket.request
         hashes = self.hashes(req, hit.start_page + len(hit.tiers))[hit.start_page:]
+        if self.disk is not None:  # a read is a use, before a host page spilled below can push one out
+            self._touch_on_disk([h for h in hashes if h not in self.host])
         pages, from_disk = [], []
         quiet = True  # no page is read from disk or under another op
         for page_hash in hashes:
@@ -180,8 +182,6 @@ class HiCache:
                 page = self._allocate_host(page_hash)
                 if page is None:
                     break
-                if self.disk is not None:  # a read is a use: the disk drops its least recently used
-                    self.disk.touch(page_hash)
             quiet = quiet and not on_disk_only and not self.host.is_locked(page)
             self.host.lock(page)
             pages.append(page)
@@ -364,13 +364,20 @@ class HiCache:
             alloc = self.host.allocate(page_hash, evict=False)
             if alloc is None:
                 break
-            self.disk.touch(page_hash)
             self.host.lock(alloc.page)
             self.on_page_moved(page_hash)
             pages.append(alloc.page)
             hashes.append(page_hash)
+        self._touch_on_disk(hashes)
         if pages:
             self._submit(Prefetch(pages, hashes))
+
+    def _touch_on_disk(self, hashes: list[PageHash]) -> None:
+        """``hashes`` (a request's pages, in order) read from disk now: the disk drops its least
+        recently used pages, and of these the last first, since a later page is of no use
+        without the ones before it."""
+        for page_hash in reversed(hashes):
+            self.disk.touch(page_hash)
 
     # --- host pool -------------------------------------------------------------------------
 
