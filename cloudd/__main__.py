@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 
 from cloudd.assembly import (build_serving_engine, engine_config_from, engine_note, model_path_from,  # noqa: E402
                              replica_args, serve_argv)
-from cloudd.online_peer import OnlineWorkload  # noqa: E402
+from cloudd.online_peer import OnlineOptions, OnlineWorkload, run_online  # noqa: E402
 from cloudd.peer_baseline import VllmPeer  # noqa: E402
 from cloudd.trace import bundled_trace  # noqa: E402
 from kernels.kv_layout import LAYOUTS  # noqa: E402
@@ -67,6 +67,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int)
 
 
+def _output_len(args) -> int:
+    """``--output-len``, else the in-process and cluster benches' OUTPUT_LEN (``--online`` has its
+    client's own default)."""
+    return OUTPUT_LEN if args.output_len is None else args.output_len
+
+
 def _kernels_arg(text: str) -> str:
     try:
         KernelSpec.parse(text)
@@ -92,7 +98,7 @@ def cmd_bench(args) -> int:
         response_formats=args.response_format,
         baselines=args.baseline or (),
         baseline_batch_size=args.baseline_batch,
-        output_len=OUTPUT_LEN if args.output_len is None else args.output_len,
+        output_len=_output_len(args),
         limit=args.limit,
         robots=args.robots,
         tiers=args.tiers,
@@ -132,7 +138,7 @@ def _cmd_cluster_bench(args) -> int:
         raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
-    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), OUTPUT_LEN if args.output_len is None else args.output_len, args.limit,
+    opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), _output_len(args), args.limit,
                                args.rate_scale, args.device_pool_frac)
     with _stdout_to_stderr():  # NOTE: Ray's own messages ("(raylet) Task ... failed") print to stdout
         result = run_cluster_bench(opts, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -149,8 +155,6 @@ def _cmd_cluster_bench(args) -> int:
 def _cmd_online_bench(args) -> int:
     """`bench --online --baseline vllm`: the report goes to stderr; stdout gets the JSON (--json)
     or the verdict on the bars."""
-    from cloudd.online_peer import OnlineOptions, run_online
-
     if args.baseline != ("vllm",):
         raise ValueError("--online compares cloudd serve with vLLM's server: give --baseline vllm (alone)")
     if args.serve or args.cluster:

@@ -113,7 +113,7 @@ def replay_offline(engine: Engine, requests: list[TraceRequest], output_lens: li
 def run_bench(opts: BenchOptions, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     """Every variant (and the baseline) on the same requests; returns the §6 JSON object."""
     requests = select_robots(load_trace(opts.trace, opts.limit), opts.robots)
-    peer = _vllm_peer(opts) if "vllm" in opts.baselines else None
+    peer = VllmPeer.located(opts.model, opts.peers_dir) if "vllm" in opts.baselines else None
     if peer is not None:  # NOTE: before any engine run: a missing peer fails at once, not after an hour
         peer.check(opts.engine.dtype_choice.name)
     model, ckpt = load_model(opts.model, opts.engine.torch_dtype)
@@ -288,10 +288,6 @@ def _compare_formats(runs: dict, opts: BenchOptions, log) -> None:
         plan["vs_unconstrained"] = plan["output_tok_s"] / free["output_tok_s"]
         log(f"   plan-schema: {plan['vs_unconstrained']:.2f}x the unconstrained output tok/s, "
             f"{100 * plan['decode_steps_saved_frac']:.0f}% of decode steps saved by jump-forward")
-
-
-def _vllm_peer(opts: BenchOptions) -> VllmPeer:
-    return VllmPeer.located(opts.model, opts.peers_dir)
 
 
 def _vllm_baseline(peer: VllmPeer, requests: list[TraceRequest], opts: BenchOptions, log) -> dict:

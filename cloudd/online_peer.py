@@ -48,12 +48,24 @@ Log = Callable[[str], None]
 CLOUDD_READY_TIMEOUT_S = 900.0  # a first start converts weights, compiles and times kernels
 VLLM_STOP_TIMEOUT_S = 60.0
 
-# ratio name -> (the run's field, the bar, whether cloudd's figure must be at least or at most the bar)
-BARS: dict[str, tuple[str, float, str]] = {
-    "request_throughput": ("request_throughput", 1.0, "at least"),
-    "tpot_p50": ("tpot_p50_ms", 1.0, "at most"),
-    "ttft_p99": ("ttft_p99_ms", 1.5, "at most"),
-}
+@dataclass(frozen=True)
+class Bar:
+    """cloudd's ``field`` over the peer's must be at least (``at_least``) or at most ``limit``."""
+
+    field: str
+    limit: float
+    at_least: bool
+
+    def met(self, ratio: float) -> bool:
+        return ratio >= self.limit if self.at_least else ratio <= self.limit
+
+    def __str__(self) -> str:
+        return f"{'at least' if self.at_least else 'at most'} {self.limit}x"
+
+
+BARS = {"request_throughput": Bar("request_throughput", 1.0, at_least=True),
+        "tpot_p50": Bar("tpot_p50_ms", 1.0, at_least=False),
+        "ttft_p99": Bar("ttft_p99_ms", 1.5, at_least=False)}
 
 
 @dataclass(frozen=True)
@@ -139,18 +151,16 @@ class OnlineRun:
 
 def ratios(cloudd: OnlineRun, peer: OnlineRun) -> dict[str, float]:
     """cloudd's figure over the peer's, per bar (complete runs: every figure is above 0)."""
-    return {name: getattr(cloudd, field) / getattr(peer, field) for name, (field, _, _) in BARS.items()}
+    return {name: getattr(cloudd, bar.field) / getattr(peer, bar.field) for name, bar in BARS.items()}
 
 
 def bars_met(ratio: dict[str, float]) -> dict[str, bool]:
-    return {name: (ratio[name] >= bar if side == "at least" else ratio[name] <= bar)
-            for name, (_, bar, side) in BARS.items()}
+    return {name: bar.met(ratio[name]) for name, bar in BARS.items()}
 
 
 def format_ratios(ratio: dict[str, float]) -> str:
-    met = bars_met(ratio)
-    parts = [f"{name} {ratio[name]:.2f}x (bar: {side} {bar}x{'' if met[name] else ', missed'})"
-             for name, (_, bar, side) in BARS.items()]
+    parts = [f"{name} {ratio[name]:.2f}x (bar: {bar}{'' if bar.met(ratio[name]) else ', missed'})"
+             for name, bar in BARS.items()]
     return "cloudd / vLLM: " + ", ".join(parts)
 
 
@@ -200,7 +210,7 @@ def run_online(opts: OnlineOptions, log: Log) -> dict:
     return {"cpu": cpu_signature(), "workload": asdict(opts.workload), "model": opts.model_name, "dtype": opts.dtype,
             "pairs": pairs,
             "vs_vllm": median, "bars_met": bars_met(median),
-            "bars": {name: {"ratio": bar, "cloudd": side} for name, (_, bar, side) in BARS.items()}}
+            "bars": {name: str(bar) for name, bar in BARS.items()}}
 
 
 def run_server(server: str, opts: OnlineOptions) -> OnlineRun:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cloudd.trace import TraceRequest
-from shared.config import environment_for_peers
+from shared.config import environment_for_peers, peer_install_dir, peer_scripts_dir
 from shared.progress import Progress
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +58,6 @@ class VllmPeer:
     def located(cls, gguf: Path, scripts: Path | None = None) -> VllmPeer:
         """The peer for ``gguf`` where it lives: ``scripts`` (else ``shared.config.peer_scripts_dir``)
         and ``shared.config.peer_install_dir``."""
-        from shared.config import peer_install_dir, peer_scripts_dir
-
         return cls(scripts=scripts or peer_scripts_dir(), install=peer_install_dir(), gguf=gguf)
 
     @property

@@ -30,7 +30,6 @@ FUZZ_ROBOT = "fuzzbot"
 ESCALATE_TAG = "multi-floor"
 
 
-
 @dataclass(frozen=True)
 class FleetTuning:
     """What the harness changes from the shipped configs, and why."""

@@ -13,6 +13,7 @@ from cloudd.__main__ import main
 from cloudd.trace import bundled_trace, load_trace
 from shared.model.gguf_loader import build_tokenizer, read_gguf
 from shared.progress import Progress
+from tests.cloudd.vllm_peer_fake import fake_vllm_peer
 from tests.model.tiny_hf import SIZES, TEMPLATE, save_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,25 +103,8 @@ print(json.dumps({"wall_s": 2.0, "requests": n, "prompt_tokens": 100 * n, "outpu
 
 
 def _fake_peer(tmp_path, script: str = FAKE_OFFLINE, model: Path | None = None):
-    """A peers folder holding ``script`` as vllm-cpu/offline.py, and a PEERS_DIR whose venv's
-    python is this interpreter, with the HF folders setup.sh would make for ``model``;
-    (--peers-dir, PEERS_DIR)."""
-    import sys
-
-    from cloudd.peer_baseline import hf_folder_name
-
-    scripts, install = tmp_path / "peers", tmp_path / "installed"
-    (scripts / "vllm-cpu").mkdir(parents=True)
-    (scripts / "vllm-cpu" / "offline.py").write_text(script)
-    (scripts / "vllm-cpu" / "setup.sh").write_text("exit 0\n")
-    (install / "vllm" / "bin").mkdir(parents=True)
-    (install / "vllm" / "bin" / "python").symlink_to(sys.executable)
-    if model is not None:  # as setup.sh leaves them: fp32, and bf16/ inside it
-        hf = install / "models" / hf_folder_name(model)
-        (hf / "bf16").mkdir(parents=True)
-        for folder in ("", "bf16"):
-            (hf / folder / "config.json").write_text("{}")
-    return scripts, install
+    """A stand-in peer whose offline.py is ``script``; (--peers-dir, PEERS_DIR)."""
+    return fake_vllm_peer(tmp_path, {"offline.py": script}, model)
 
 
 def test_bench_vllm_peer_is_a_run_with_the_same_keys_and_a_ratio(tiny_folder, tmp_path, monkeypatch, capsys):

@@ -6,7 +6,6 @@ loopback HTTP server and a client script in the peer's place)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from cloudd.online_peer import (OnlineOptions, OnlineRun, OnlineWorkload, bars_m
                                 run_server, server_order)
 from cloudd.peer_baseline import VllmPeer, hf_folder_name
 from shared.transport.loopback import free_port
+from tests.cloudd.vllm_peer_fake import fake_vllm_peer
 
 RESULT = {"completed": 160, "failed": 0, "total_output_tokens": 160 * 64, "request_throughput": 3.8, "output_throughput": 240.0,
           "median_ttft_ms": 170.0, "p50_ttft_ms": 169.0, "p99_ttft_ms": 928.0, "median_tpot_ms": 61.0,
@@ -162,18 +162,8 @@ pathlib.Path(args.result_dir, args.result_filename).write_text(json.dumps(result
 
 
 def _stand_in_peer(tmp_path: Path, gguf: Path) -> tuple[Path, Path]:
-    """A peers folder with serve.sh and vllm_cli.py stand-ins, and a PEERS_DIR whose venv python
-    is this interpreter, with the fp32 HF folder setup.sh would make for ``gguf``."""
-    scripts, install = tmp_path / "peers", tmp_path / "installed"
-    (scripts / "vllm-cpu").mkdir(parents=True)
-    (scripts / "vllm-cpu" / "offline.py").write_text("")
-    (scripts / "vllm-cpu" / "serve.sh").write_text(FAKE_SERVE)
-    (scripts / "vllm-cpu" / "vllm_cli.py").write_text(FAKE_CLIENT)
-    (install / "vllm" / "bin").mkdir(parents=True)
-    (install / "vllm" / "bin" / "python").symlink_to(sys.executable)
-    (install / "models" / hf_folder_name(gguf)).mkdir(parents=True)
-    (install / "models" / hf_folder_name(gguf) / "config.json").write_text("{}")
-    return scripts, install
+    """A peer with serve.sh and vllm_cli.py stand-ins and the HF folders made for ``gguf``."""
+    return fake_vllm_peer(tmp_path, {"offline.py": "", "serve.sh": FAKE_SERVE, "vllm_cli.py": FAKE_CLIENT}, gguf)
 
 
 def test_the_pair_runs_real_cloudd_serve_then_the_peer_and_stops_both(default_model_path, tmp_path, monkeypatch,
