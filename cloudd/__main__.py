@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 
 from cloudd.assembly import (build_serving_engine, engine_config_from, engine_note, model_path_from,  # noqa: E402
                              replica_args, serve_argv)
+from cloudd.bench_modes import CLUSTER, ONLINE, SERVE, bench_mode  # noqa: E402
 from cloudd.online_peer import OnlineOptions, OnlineWorkload, run_online  # noqa: E402
 from cloudd.peer_baseline import VllmPeer  # noqa: E402
 from cloudd.trace import bundled_trace  # noqa: E402
@@ -82,11 +83,13 @@ def _kernels_arg(text: str) -> str:
 
 
 def cmd_bench(args) -> int:
-    if args.online:
+    mode = bench_mode(args.online, bool(args.serve), args.cluster)
+    mode.check_given(_bench_flags_given(args))
+    if mode is ONLINE:
         return _cmd_online_bench(args)
-    if args.serve:
+    if mode is SERVE:
         return _cmd_serve_bench(args)
-    if args.cluster:
+    if mode is CLUSTER:
         return _cmd_cluster_bench(args)
     from cloudd.bench import BenchOptions, run_bench
 
@@ -134,8 +137,6 @@ def _cmd_cluster_bench(args) -> int:
     from cloudd.cluster.config import ClusterConfig
     from shared.config import load_section
 
-    if args.baseline:
-        raise ValueError("--baseline does not combine with --cluster (the single replica is its baseline)")
     cluster = load_section(args.config, "cluster", ClusterConfig) if args.config else ClusterConfig()
     cluster = dataclasses.replace(cluster, replicas=args.replicas or cluster.replicas)
     opts = ClusterBenchOptions(args.trace, cluster, args.router, replica_args(args), _output_len(args), args.limit,
@@ -157,8 +158,6 @@ def _cmd_online_bench(args) -> int:
     or the verdict on the bars."""
     if args.baseline != ("vllm",):
         raise ValueError("--online compares cloudd serve with vLLM's server: give --baseline vllm (alone)")
-    if args.serve or args.cluster:
-        raise ValueError("--online starts its own servers: it does not combine with --serve or --cluster")
     model = model_path_from(args)
     given = {"num_prompts": args.limit, "output_len": args.output_len}
     workload = OnlineWorkload(request_rate=args.request_rate, **{k: v for k, v in given.items() if v is not None})
@@ -179,8 +178,6 @@ def _cmd_serve_bench(args) -> int:
     """`bench --serve`: the human-readable report goes to stdout, or to stderr with --json."""
     from cloudd.serve_bench import ServeBenchOptions, run_serve_bench
 
-    if args.baseline:
-        raise ValueError("--baseline runs in-process: it does not combine with --serve")
     opts = ServeBenchOptions(trace=args.trace, urls=args.serve, rate_scale=args.rate_scale, limit=args.limit)
     out = sys.stderr if args.json else sys.stdout
     result = run_serve_bench(opts, log=lambda msg: print(msg, file=out, flush=True))
@@ -290,64 +287,76 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`bench`'s flags, all four modes' (``cloudd.bench_modes`` says which mode reads which)."""
+    p.add_argument("--trace", type=Path, default=bundled_trace())
+    p.add_argument("--index", type=comma_list(("radix", "hashed")), default=("radix",),
+                   help="prefix index variants, comma list (radix,hashed)")
+    p.add_argument("--response-format", type=comma_list(("none", "plan-schema")), default=("none",),
+                   help="structured-output variants, comma list (none,plan-schema)")
+    p.add_argument("--baseline", type=comma_list(("hf", "vllm")),
+                   help="also run baselines on the same requests and print the ratios, comma list: hf "
+                        "(HF transformers generate()), vllm (the vLLM CPU peer: runs.vllm and vs_vllm; "
+                        "set up by ../shared/peers/vllm-cpu/setup.sh)")
+    p.add_argument("--peers-dir", type=Path,
+                   help="the peers' scripts (default: $FLEETSERVE_PEERS_DIR, else ../shared/peers beside "
+                        "the repo); the peers themselves install under $PEERS_DIR")
+    p.add_argument("--baseline-batch", type=int, default=16)
+    p.add_argument("--output-len", type=int,
+                   help=f"fixed output tokens per request (default {OUTPUT_LEN}; with --online the client's, "
+                        f"default {OnlineWorkload.output_len})")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--robots", type=int, help="replay only the first N robots' requests (whole histories)")
+    p.add_argument("--tiers", type=comma_list(("off", "on", "layerwise")), default=("off",),
+                   help="HiCache KV tiers variants, comma list (off,on,layerwise: on with every host "
+                        "load run layer by layer); [hicache] in --config sizes them")
+    p.add_argument("--device-pool-frac", type=float,
+                   help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks); "
+                        "with --cluster each replica's, and the single replica gets them combined")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="time each step's phases (model, attention, sampling, scheduling, detokenizing) and "
+                        "report the model's FLOP/s against this machine's matmul peak (JSON: runs.<v>.profile)")
+    p.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
+                   help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
+                        "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")
+    p.add_argument("--online", action="store_true",
+                   help="with --baseline vllm: cloudd serve (these engine flags, per-robot quotas off) and vLLM's "
+                        "server one after the other, each driven by vLLM's own client (bench serve, serve.sh's "
+                        "workload: 4 shared 448-token prefixes; --limit prompts, default 160, at --request-rate); "
+                        "prints request rate, TTFT p50/p99 and TPOT p50 of each and cloudd's ratios to the online bars")
+    p.add_argument("--request-rate", type=float, default=OnlineWorkload.request_rate,
+                   help="with --online: requests a second (Poisson arrivals)")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="with --online: run the two servers this many times, the order alternating; the bars "
+                        "are judged on the median ratios")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="with --serve or --cluster: arrival-rate multiplier (2: requests come twice as fast)")
+    p.add_argument("--cluster", action="store_true",
+                   help="replay through cloudd cluster replicas under each --router, and through one replica "
+                        "(Ray; run inside `unshare -n`: make bench-cluster); uses --trace, --limit, --output-len, "
+                        "--rate-scale, --config's [cluster]")
+    p.add_argument("--replicas", type=int, help="with --cluster: replicas per run (default [cluster] replicas)")
+    p.add_argument("--router", type=comma_list(("fleet", "hash", "pow2")), default=("fleet", "pow2"),
+                   help="with --cluster: router variants, comma list (fleet,hash,pow2)")
+    _engine_args(p)
+    return p
+
+
+def _bench_flags_given(args) -> set[str]:
+    """The bench flags this command line set away from their defaults (argparse dests)."""
+    defaults = vars(_bench_args(argparse.ArgumentParser()).parse_args([]))
+    return {dest for dest, default in defaults.items() if getattr(args, dest) != default}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloudd", description="fleetserve's fleet daemon")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="replay a fleet trace through the engine in-process, or against "
                                          "running servers (--serve)")
-    bench.add_argument("--trace", type=Path, default=bundled_trace())
-    bench.add_argument("--index", type=comma_list(("radix", "hashed")), default=("radix",),
-                       help="prefix index variants, comma list (radix,hashed)")
-    bench.add_argument("--response-format", type=comma_list(("none", "plan-schema")), default=("none",),
-                       help="structured-output variants, comma list (none,plan-schema)")
-    bench.add_argument("--baseline", type=comma_list(("hf", "vllm")),
-                       help="also run baselines on the same requests and print the ratios, comma list: hf "
-                            "(HF transformers generate()), vllm (the vLLM CPU peer: runs.vllm and vs_vllm; "
-                            "set up by ../shared/peers/vllm-cpu/setup.sh)")
-    bench.add_argument("--peers-dir", type=Path,
-                       help="the peers' scripts (default: $FLEETSERVE_PEERS_DIR, else ../shared/peers beside "
-                            "the repo); the peers themselves install under $PEERS_DIR")
-    bench.add_argument("--baseline-batch", type=int, default=16)
-    bench.add_argument("--output-len", type=int,
-                       help=f"fixed output tokens per request (default {OUTPUT_LEN}; with --online the client's, "
-                            f"default {OnlineWorkload.output_len})")
-    bench.add_argument("--limit", type=int, help="replay only the first N requests")
-    bench.add_argument("--robots", type=int, help="replay only the first N robots' requests (whole histories)")
-    bench.add_argument("--tiers", type=comma_list(("off", "on", "layerwise")), default=("off",),
-                       help="HiCache KV tiers variants, comma list (off,on,layerwise: on with every host "
-                            "load run layer by layer); [hicache] in --config sizes them")
-    bench.add_argument("--device-pool-frac", type=float,
-                       help="KV pool as a fraction of the replayed requests' working set (overrides --num-blocks); "
-                            "with --cluster each replica's, and the single replica gets them combined")
-    bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    bench.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    bench.add_argument("--profile", action="store_true",
-                       help="time each step's phases (model, attention, sampling, scheduling, detokenizing) and "
-                            "report the model's FLOP/s against this machine's matmul peak (JSON: runs.<v>.profile)")
-    bench.add_argument("--serve", type=_url_list, metavar="URL[,URL...]",
-                       help="replay against running servers (tcp://, ipc:// or http://), one run per URL, "
-                            "with the trace's arrival times; uses --trace, --limit, --rate-scale, --json")
-    bench.add_argument("--online", action="store_true",
-                       help="with --baseline vllm: cloudd serve (these engine flags, per-robot quotas off) and vLLM's "
-                            "server one after the other, each driven by vLLM's own client (bench serve, serve.sh's "
-                            "workload: 4 shared 448-token prefixes; --limit prompts, default 160, at --request-rate); "
-                            "prints request rate, TTFT p50/p99 and TPOT p50 of each and cloudd's ratios to the online bars")
-    bench.add_argument("--request-rate", type=float, default=OnlineWorkload.request_rate,
-                       help="with --online: requests a second (Poisson arrivals)")
-    bench.add_argument("--pairs", type=int, default=1,
-                       help="with --online: run the two servers this many times, the order alternating; the bars "
-                            "are judged on the median ratios")
-    bench.add_argument("--rate-scale", type=float, default=1.0,
-                       help="with --serve or --cluster: arrival-rate multiplier (2: requests come twice as fast)")
-    bench.add_argument("--cluster", action="store_true",
-                       help="replay through cloudd cluster replicas under each --router, and through one replica "
-                            "(Ray; run inside `unshare -n`: make bench-cluster); uses --trace, --limit, --output-len, "
-                            "--rate-scale, --config's [cluster]")
-    bench.add_argument("--replicas", type=int, help="with --cluster: replicas per run (default [cluster] replicas)")
-    bench.add_argument("--router", type=comma_list(("fleet", "hash", "pow2")), default=("fleet", "pow2"),
-                       help="with --cluster: router variants, comma list (fleet,hash,pow2)")
-    _engine_args(bench)
+    _bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
     agreement = sub.add_parser("agreement", help="greedy and top-1 agreement of a dtype (--dtype) with float32")
