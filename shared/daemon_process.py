@@ -16,14 +16,15 @@ class DaemonProcess:
     """``python -m <module> <args>``; waits for its ready line on stdout.
 
     ``fields`` holds the ``key=value`` pairs of the ready line (e.g. ``zmq``, ``http``). stderr
-    goes to a temporary file, shown by ``log()`` when a test needs to explain a failure.
+    goes to an unnamed temporary file (nothing is left on disk), whose end ``log()`` shows when a
+    test needs to explain a failure.
     ``cpus``: the CPUs the child runs on (all of this process's when None).
     """
 
     def __init__(self, module: str, args: list[str], ready: str, timeout_s: float = 180.0,
                  cpus: frozenset[int] | None = None):
         self.module = module
-        self._stderr = tempfile.NamedTemporaryFile(prefix=f"{module}-", suffix=".log", delete=False)
+        self._stderr = tempfile.TemporaryFile(prefix=f"{module}-", suffix=".log")
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
@@ -54,8 +55,13 @@ class DaemonProcess:
             self.kill()
             raise RuntimeError(f"{module} did not become ready:\n{self.log()}")
 
-    def log(self) -> str:
-        return Path(self._stderr.name).read_text(errors="replace")[-4000:]
+    def log(self, tail_bytes: int = 4000) -> str:
+        """The last ``tail_bytes`` of the child's stderr so far."""
+        # NOTE: pread leaves the offset the child shares with this file object where its writes go
+        fd = self._stderr.fileno()
+        size = os.fstat(fd).st_size
+        start = max(0, size - tail_bytes)
+        return os.pread(fd, size - start, start).decode(errors="replace")
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (a graceful shutdown) and wait; returns the exit code."""
