@@ -1,5 +1,6 @@
-"""cloudd command line: `serve` (the fleet server), `bench` (trace replay, in-process or
-against a running server), `chat` (one reply)."""
+"""cloudd command line: `serve` (the fleet server), `bench` (trace replay in-process, against
+running servers or through cluster replicas, or the online pair against vLLM's server:
+``cloudd.bench_modes``), `chat` (one reply), and the cluster, agreement and API-key commands."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _url_list(text: str) -> tuple[str, ...]:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="daemon TOML ([engine], [scheduler]); flags override it")
+    p.add_argument("--config", type=Path, help="daemon TOML ([engine], [scheduler]; bench --online hands it to "
+                                               "cloudd serve, which reads every table); flags override it")
     p.add_argument("--model", help="a known model name (python -m shared.model.fetch --list: fetched once) or a "
                                    "GGUF file / HF folder (default: the config's [model] name, else the "
                                    "embedded SmolLM2-135M)")
@@ -344,18 +346,23 @@ def _bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def bench_flag_defaults() -> dict:
+    """Every `bench` flag (argparse dest) with its default."""
+    return vars(_bench_args(argparse.ArgumentParser()).parse_args([]))
+
+
 def _bench_flags_given(args) -> set[str]:
     """The bench flags this command line set away from their defaults (argparse dests)."""
-    defaults = vars(_bench_args(argparse.ArgumentParser()).parse_args([]))
-    return {dest for dest, default in defaults.items() if getattr(args, dest) != default}
+    return {dest for dest, default in bench_flag_defaults().items() if getattr(args, dest) != default}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloudd", description="fleetserve's fleet daemon")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="replay a fleet trace through the engine in-process, or against "
-                                         "running servers (--serve)")
+    bench = sub.add_parser("bench", help="replay a fleet trace through the engine in-process, against running "
+                                         "servers (--serve) or cluster replicas (--cluster); or cloudd serve and "
+                                         "vLLM's server under vLLM's client (--online)")
     _bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 

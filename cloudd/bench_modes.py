@@ -1,8 +1,9 @@
 """The four modes of ``cloudd bench`` and the flags each one reads.
 
-A flag given to a mode that does not read it is an error, not silence: an operator who adds
-``--profile`` to an ``--online`` run, or ``--config`` to a ``--serve`` replay of someone else's
-server, must not read a report that quietly left the flag out. Flags are argparse dests.
+A flag set (away from its default) for a mode that does not read it is an error, not silence: an
+operator who adds ``--profile`` to an ``--online`` run, or ``--config`` to a ``--serve`` replay of
+someone else's server, must not read a report that quietly left the flag out. A flag given at its
+default changes nothing, so it passes. Flags are argparse dests.
 """
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ from shared.transport.loopback import free_port
 Log = Callable[[str], None]
 
 CLOUDD_READY_TIMEOUT_S = 900.0  # a first start converts weights, compiles and times kernels
+VLLM_START_TIMEOUT_S = 420.0  # serve.sh gives up on the server's health after 300 s; its curl may hang
 VLLM_STOP_TIMEOUT_S = 60.0
+SERVER_LOG_TAIL_BYTES = 2000  # of a server's log, added to the error of a run that failed on it
 
 @dataclass(frozen=True)
 class Bar:
@@ -84,10 +86,10 @@ class OnlineWorkload:
 
     def __post_init__(self) -> None:
         if min(self.num_prompts, self.prefix_len, self.suffix_len, self.num_prefixes) < 1 or self.output_len < 2:
-            raise ValueError(f"online workload: prompts, prefix and suffix lengths and prefixes must be >= 1, the "
-                             f"output length >= 2 (TPOT is the time between tokens), got {self}")
+            raise ValueError(f"online workload: the prompts (--limit), prefix and suffix lengths and prefixes must be "
+                             f">= 1, the output length (--output-len) >= 2 (TPOT is the time between tokens), got {self}")
         if not self.request_rate > 0:
-            raise ValueError(f"online workload: request_rate must be > 0, got {self.request_rate}")
+            raise ValueError(f"online workload: --request-rate must be > 0, got {self.request_rate}")
 
     @property
     def client_timeout_s(self) -> float:
@@ -226,7 +228,10 @@ def _cloudd_server(opts: OnlineOptions) -> Iterator[str]:
                                       "--zmq-port", "0"], ready="cloudd ready:", timeout_s=CLOUDD_READY_TIMEOUT_S)
     try:
         yield daemon.fields["http"]
-    except BaseException:  # the run's own error (or an interrupt) is the one to report
+    except Exception as e:  # the run's own error, with the server's side of it
+        daemon.kill()
+        raise RuntimeError(f"{e}\nthe end of cloudd serve's log:\n{daemon.log(SERVER_LOG_TAIL_BYTES)}") from e
+    except BaseException:  # an interrupt
         daemon.kill()
         raise
     try:
@@ -242,6 +247,20 @@ def _vllm_server(opts: OnlineOptions) -> Iterator[str]:
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="fleetserve-vllm-serve-", suffix=".log", delete=False) as log_file:
         log_path = Path(log_file.name)
+    try:
+        with _serve_script_group(opts, port, log_path):
+            try:
+                yield f"http://127.0.0.1:{port}"
+            except Exception as e:  # the run's own error, with the server's side of it
+                raise RuntimeError(f"{e}\nthe end of vLLM's log:\n{log_tail(log_path)}") from e
+    finally:
+        log_path.unlink(missing_ok=True)
+
+
+@contextmanager
+def _serve_script_group(opts: OnlineOptions, port: int, log_path: Path) -> Iterator[None]:
+    """serve.sh run to its end (the server up on ``port``, logging to ``log_path``), then, on
+    leaving, its whole process group stopped; RuntimeError when the script fails or hangs."""
     env = {**environment_for_peers(), "PEERS_DIR": str(opts.peer.install),
            "VLLM_MODEL": str(opts.peer.model(opts.dtype)), "VLLM_MODEL_NAME": opts.model_name,
            "VLLM_LOG": str(log_path)}
@@ -252,14 +271,18 @@ def _vllm_server(opts: OnlineOptions) -> Iterator[str]:
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                start_new_session=True)
     try:
-        _, err = starter.communicate()
+        try:
+            _, err = starter.communicate(timeout=VLLM_START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{shown_path(opts.peer.serve_script)} did not finish within {VLLM_START_TIMEOUT_S:.0f} s "
+                               f"(stopped); the end of vLLM's log:\n{log_tail(log_path)}") from None
         if starter.returncode != 0:
             raise RuntimeError(f"{shown_path(opts.peer.serve_script)} failed ({err.strip()}); the end of "
                                f"vLLM's log:\n{log_tail(log_path)}")
-        yield f"http://127.0.0.1:{port}"
+        yield
     finally:
         _stop_group(starter.pid)
-        log_path.unlink(missing_ok=True)
+        starter.wait()
 
 
 def run_client(base_url: str, opts: OnlineOptions, server: str) -> OnlineRun:
@@ -295,7 +318,8 @@ def run_client(base_url: str, opts: OnlineOptions, server: str) -> OnlineRun:
 
 
 def _stop_group(pgid: int) -> None:
-    """SIGTERM process group ``pgid``, then SIGKILL what is left after VLLM_STOP_TIMEOUT_S."""
+    """SIGTERM process group ``pgid``, then SIGKILL what is left after VLLM_STOP_TIMEOUT_S;
+    RuntimeError if some of it still runs 10 s later (the next server would share the cores)."""
     for sig, wait_s in ((signal.SIGTERM, VLLM_STOP_TIMEOUT_S), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
@@ -306,6 +330,7 @@ def _stop_group(pgid: int) -> None:
             time.sleep(0.5)
         if not _group_runs(pgid):
             return
+    raise RuntimeError(f"vLLM's processes (group {pgid}) still run after SIGKILL: stop them before measuring again")
 
 
 def _group_runs(pgid: int) -> bool:

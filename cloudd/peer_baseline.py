@@ -89,9 +89,9 @@ class VllmPeer:
         return folder / "bf16" if dtype == "bfloat16" else folder
 
     def check(self, dtype: str = "bfloat16", online: bool = False) -> None:
-        """Raise PeerUnavailable naming what is missing and the command that sets it up; ``online``:
-        the server's and the client's scripts too."""
-        scripts = (self.script, self.serve_script, self.cli_script) if online else (self.script,)
+        """Raise PeerUnavailable naming what is missing and the command that sets it up: the offline
+        script, or with ``online`` the server's and the client's instead."""
+        scripts = (self.serve_script, self.cli_script) if online else (self.script,)
         absent = [script for script in scripts if not script.is_file()]
         if absent:
             raise PeerUnavailable(f"--baseline vllm: no peer script at {absent[0]}; point --peers-dir "

@@ -25,7 +25,7 @@ class DaemonProcess:
                  cpus: frozenset[int] | None = None):
         self.module = module
         self._stderr = tempfile.TemporaryFile(prefix=f"{module}-", suffix=".log")
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}  # PASSIVE unless the user says
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
             cwd=Path(__file__).resolve().parents[1],  # the repository root

@@ -20,5 +20,6 @@ def test_the_childs_stderr_is_read_without_a_file_on_disk():
         assert child.log(tail_bytes=8) == child.log()[-8:]
         assert _named_logs() == before
     finally:
-        assert child.terminate() == -15  # SIGTERM: the child has no handler of its own
+        code = child.terminate()
+    assert code == -15  # SIGTERM: the child has no handler of its own
     assert "started on cpus" in child.log()  # still readable after the child ended

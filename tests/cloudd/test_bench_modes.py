@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cloudd.__main__ import main
+from cloudd.__main__ import bench_flag_defaults, main
 from cloudd.bench_modes import CLUSTER, IN_PROCESS, ONLINE, SERVE, bench_mode
+
+MODES = (IN_PROCESS, SERVE, CLUSTER, ONLINE)
 
 
 @pytest.mark.parametrize("argv, refused", [
@@ -43,3 +45,8 @@ def test_every_mode_reads_limit_and_json_and_each_mode_its_own_switch():
         assert {"limit", "json", switch} <= mode.reads
         assert not {"online", "serve", "cluster"} - {switch} & mode.reads
     assert not {"online", "serve", "cluster"} & IN_PROCESS.reads
+
+
+def test_every_bench_flag_is_read_by_some_mode_and_every_mode_reads_only_bench_flags():
+    flags = set(bench_flag_defaults())
+    assert set().union(*(mode.reads for mode in MODES)) == flags  # a new flag no mode lists: refused everywhere

@@ -112,6 +112,7 @@ FAKE_SERVE = """\
 HERE=$(cd "$(dirname "$0")" && pwd)
 PORT=$1; shift
 echo "$PORT $* model=$VLLM_MODEL name=$VLLM_MODEL_NAME" > "$HERE/serve-args"
+echo "stand-in vllm serve on port $PORT" > "$VLLM_LOG"
 "$PEERS_DIR/vllm/bin/python" -m http.server --bind 127.0.0.1 "$PORT" > /dev/null 2>&1 &
 pid=$!
 echo "$pid" > "$HERE/server-pid"
@@ -138,6 +139,8 @@ try:
 except urllib.error.URLError:
     server = "peer"
 (here / f"client-args-{server}").write_text(json.dumps(sys.argv[1:]))
+if os.environ.get("FAKE_CLIENT_EXIT"):
+    sys.exit(int(os.environ["FAKE_CLIENT_EXIT"]))
 completed = failed = 0
 if server == "cloudd":
     body = json.dumps({"model": args.model, "max_tokens": 1,
@@ -163,7 +166,7 @@ pathlib.Path(args.result_dir, args.result_filename).write_text(json.dumps(result
 
 def _stand_in_peer(tmp_path: Path, gguf: Path) -> tuple[Path, Path]:
     """A peer with serve.sh and vllm_cli.py stand-ins and the HF folders made for ``gguf``."""
-    return fake_vllm_peer(tmp_path, {"offline.py": "", "serve.sh": FAKE_SERVE, "vllm_cli.py": FAKE_CLIENT}, gguf)
+    return fake_vllm_peer(tmp_path, {"serve.sh": FAKE_SERVE, "vllm_cli.py": FAKE_CLIENT}, gguf)
 
 
 def test_the_pair_runs_real_cloudd_serve_then_the_peer_and_stops_both(default_model_path, tmp_path, monkeypatch,
@@ -225,3 +228,27 @@ def test_a_run_with_a_failed_request_is_an_error_not_a_figure(default_model_path
                          model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
     with pytest.raises(RuntimeError, match=r"against vllm: 7 of 8 requests answered \(1 failed\)"):
         run_client(f"http://127.0.0.1:{free_port()}", opts, "vllm")  # nobody there: the stand-in's canned figures
+
+
+def test_a_run_that_fails_carries_the_servers_log_and_stops_the_server(default_model_path, tmp_path, monkeypatch):
+    scripts, install = _stand_in_peer(tmp_path, default_model_path)
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    monkeypatch.setenv("FAKE_PEER_FAILS", "1")
+    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=(), dtype="float32",
+                         model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
+    with pytest.raises(RuntimeError, match=r"(?s)1 failed.*the end of vLLM's log:\nstand-in vllm serve on port"):
+        run_server("vllm", opts)
+    assert not _runs(int((scripts / "vllm-cpu" / "server-pid").read_text()))
+
+
+def test_a_client_that_fails_against_cloudd_carries_cloudds_log(default_model_path, tmp_path, monkeypatch):
+    scripts, install = _stand_in_peer(tmp_path, default_model_path)
+    monkeypatch.setenv("PEERS_DIR", str(install))
+    monkeypatch.setenv("FAKE_CLIENT_EXIT", "3")
+    cfg = tmp_path / "cloudd.toml"
+    cfg.write_text('[engine]\ndtype = "float32"\nnum_blocks = 512\ncompile = false\ntime_kernels = false\n')
+    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=("--config", str(cfg)),
+                         dtype="float32", model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
+    with pytest.raises(RuntimeError, match=r"(?s)against cloudd exited with 3.*the end of cloudd serve's log:\n") as e:
+        run_server("cloudd", opts)
+    assert "kernels: dense=" in str(e.value)  # a line of the server's own log: the plan it started with

@@ -5,7 +5,6 @@ log-probabilities up to bf16 rounding."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import gguf
 import numpy as np

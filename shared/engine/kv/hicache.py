@@ -373,9 +373,10 @@ class HiCache:
             self._submit(Prefetch(pages, hashes))
 
     def _touch_on_disk(self, hashes: list[PageHash]) -> None:
-        """``hashes`` (a request's pages, in order) read from disk now: the disk drops its least
-        recently used pages, and of these the last first, since a later page is of no use
-        without the ones before it."""
+        """``hashes`` (a request's pages, in order) about to be read from disk, marked used (a load
+        that runs out of host pages reads only the first of them; the rest were still asked for):
+        the disk drops its least recently used pages, and of these the last first, since a later
+        page is of no use without the ones before it."""
         for page_hash in reversed(hashes):
             self.disk.touch(page_hash)
 
