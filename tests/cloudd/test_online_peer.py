@@ -169,6 +169,12 @@ def _stand_in_peer(tmp_path: Path, gguf: Path) -> tuple[Path, Path]:
     return fake_vllm_peer(tmp_path, {"serve.sh": FAKE_SERVE, "vllm_cli.py": FAKE_CLIENT}, gguf)
 
 
+def _stand_in_options(scripts: Path, gguf: Path, serve_args: tuple[str, ...] = ()) -> OnlineOptions:
+    """A pair's options for the stand-in peer: float32 (its one HF folder), 8 requests."""
+    return OnlineOptions(VllmPeer.located(gguf, scripts), serve_args=serve_args, dtype="float32", model_name=gguf.stem,
+                         workload=OnlineWorkload(num_prompts=8))
+
+
 def test_the_pair_runs_real_cloudd_serve_then_the_peer_and_stops_both(default_model_path, tmp_path, monkeypatch,
                                                                       capsys):
     scripts, install = _stand_in_peer(tmp_path, default_model_path)
@@ -214,8 +220,7 @@ def test_a_peer_that_does_not_start_is_an_error_naming_its_script(default_model_
     scripts, install = _stand_in_peer(tmp_path, default_model_path)
     (scripts / "vllm-cpu" / "serve.sh").write_text("echo 'vllm serve did not become healthy' >&2; exit 1\n")
     monkeypatch.setenv("PEERS_DIR", str(install))
-    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=(), dtype="float32",
-                         model_name=default_model_path.stem)
+    opts = _stand_in_options(scripts, default_model_path)
     with pytest.raises(RuntimeError, match=r"serve.sh failed \(vllm serve did not become healthy\)"):
         run_server("vllm", opts)
 
@@ -224,8 +229,7 @@ def test_a_run_with_a_failed_request_is_an_error_not_a_figure(default_model_path
     scripts, install = _stand_in_peer(tmp_path, default_model_path)
     monkeypatch.setenv("PEERS_DIR", str(install))
     monkeypatch.setenv("FAKE_PEER_FAILS", "1")
-    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=(), dtype="float32",
-                         model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
+    opts = _stand_in_options(scripts, default_model_path)
     with pytest.raises(RuntimeError, match=r"against vllm: 7 of 8 requests answered \(1 failed\)"):
         run_client(f"http://127.0.0.1:{free_port()}", opts, "vllm")  # nobody there: the stand-in's canned figures
 
@@ -234,8 +238,7 @@ def test_a_run_that_fails_carries_the_servers_log_and_stops_the_server(default_m
     scripts, install = _stand_in_peer(tmp_path, default_model_path)
     monkeypatch.setenv("PEERS_DIR", str(install))
     monkeypatch.setenv("FAKE_PEER_FAILS", "1")
-    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=(), dtype="float32",
-                         model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
+    opts = _stand_in_options(scripts, default_model_path)
     with pytest.raises(RuntimeError, match=r"(?s)1 failed.*the end of vLLM's log:\nstand-in vllm serve on port"):
         run_server("vllm", opts)
     assert not _runs(int((scripts / "vllm-cpu" / "server-pid").read_text()))
@@ -247,8 +250,7 @@ def test_a_client_that_fails_against_cloudd_carries_cloudds_log(default_model_pa
     monkeypatch.setenv("FAKE_CLIENT_EXIT", "3")
     cfg = tmp_path / "cloudd.toml"
     cfg.write_text('[engine]\ndtype = "float32"\nnum_blocks = 512\ncompile = false\ntime_kernels = false\n')
-    opts = OnlineOptions(VllmPeer.located(default_model_path, scripts), serve_args=("--config", str(cfg)),
-                         dtype="float32", model_name=default_model_path.stem, workload=OnlineWorkload(num_prompts=8))
+    opts = _stand_in_options(scripts, default_model_path, serve_args=("--config", str(cfg)))
     with pytest.raises(RuntimeError, match=r"(?s)against cloudd exited with 3.*the end of cloudd serve's log:\n") as e:
         run_server("cloudd", opts)
     assert "kernels: dense=" in str(e.value)  # a line of the server's own log: the plan it started with
