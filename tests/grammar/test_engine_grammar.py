@@ -115,6 +115,10 @@ def test_free_requests_in_a_constrained_batch_are_unchanged(model, default_check
     ({"type": "ebnf", "ebnf": "root ::= missing_rule"}, "missing_rule"),
     ({"type": "skills", "skills": []}, "skills"),
     ({"type": "yaml"}, "yaml"),
+    # found by fuzzing cloudd serve: jump-forward built the endless forced text until the daemon was OOM-killed
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#"}},
+                                                        "required": ["a"]}}}, "can never finish"),
+    ({"type": "ebnf", "ebnf": 'root ::= "(" root ")"'}, "'root' can never finish"),
 ])
 def test_a_bad_grammar_is_a_clear_error_at_submit(model, default_checkpoint, response_format, words):
     engine = make_engine(model, default_checkpoint)

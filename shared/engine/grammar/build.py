@@ -9,6 +9,7 @@ import re
 import xgrammar as xgr
 
 from shared.engine.grammar.response_format import GrammarSpec
+from shared.engine.grammar.termination import check_rules_finish
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a check text.
 _XGR_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -24,7 +25,17 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Compil
 
 
 def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
-    """The xgrammar Grammar of `spec` (no token masks yet); ValueError naming the problem."""
+    """The xgrammar Grammar of `spec` (no token masks yet); ValueError naming the problem,
+    including a rule that can never finish (``termination``)."""
+    grammar = _xgr_grammar(spec)
+    try:
+        check_rules_finish(str(grammar))
+    except ValueError as exc:
+        raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {exc}") from exc
+    return grammar
+
+
+def _xgr_grammar(spec: GrammarSpec) -> xgr.Grammar:
     try:
         if spec.kind == "json_schema":
             return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
