@@ -72,9 +72,9 @@ def check_rules_finish(printed: str, root: str = "root") -> None:
     rules = _parse_rules(printed)
     finishing: set[str] = set()
     grown = True
-    while grown:
+    while grown:  # NOTE: last rule first: xgrammar prints a rule before those it uses, so few passes
         grown = False
-        for name, body in rules.items():
+        for name, body in reversed(rules.items()):
             if name not in finishing and body.finishes(finishing):
                 finishing.add(name)
                 grown = True
