@@ -44,6 +44,23 @@ def encode(msg: Message) -> bytes:
         raise ValueError(f"{msg.TYPE} message cannot be encoded: {e}") from None
 
 
+def _request_id_in(data: bytes) -> str | None:
+    """The ``request_id`` of the msgpack map in ``data`` read without building its other values
+    (a refused list is skipped, not made), so that a refusal reaches the caller that waits on it;
+    None where there is none to read."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "request_id":
+                request_id = unpacker.unpack()
+                return request_id if isinstance(request_id, str) else None
+            unpacker.skip()
+    except Exception:  # garbage after all: the refusal goes out without an id
+        return None
+    return None
+
+
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, max_ids: int | None = None) -> Message:
     """The message in ``data``; raises ProtocolError (only) for anything else.
 
@@ -58,8 +75,8 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, max_ids: int | None 
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=max_items)
     except Exception as e:  # msgpack raises a zoo of types for garbage; all mean the same, but a long list
         if isinstance(e, ValueError) and "max_array_len" in str(e):
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"a list of more than {max_items} items: this daemon's "
-                                f"token ids are at most {max_ids}") from None
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"a list of more than {max_items} items: this daemon "
+                                f"takes at most {max_ids} token ids (its max_model_len)", _request_id_in(data)) from None
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a msgpack map")

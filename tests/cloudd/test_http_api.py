@@ -158,6 +158,17 @@ def test_a_chunk_ends_its_request_by_the_engine_s_stop_rule(tokens, num_tokens, 
     assert ends_request(Chunk("r", 0, tokens, ""), num_tokens, sampling, frozenset({0, 2})) is ends
 
 
+def test_a_completions_prompt_past_the_context_is_refused_not_left_waiting(http):
+    """Found by fuzzing cloudd serve: its token ids were refused as the frame was read, without
+    the request id, so the HTTP call waited until its client gave up."""
+    words = " hello" * 9_000  # past the test server's max_model_len (2,048), within the body limit
+    request = urllib.request.Request(http[0] + "/v1/completions", json.dumps({"prompt": words, "max_tokens": 4}).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 413 and "at most 2048 token ids" in json.load(info.value)["error"]["message"]
+
+
 @pytest.mark.parametrize("extra", [
     {"max_tokens": 2**64}, {"seed": 2**64}, {"top_k": 2**64}, {"deadline_ms": 2**64},
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "maximum": 2**70}}}},

@@ -556,6 +556,9 @@ def test_token_ids_past_max_model_len_are_refused_before_they_are_prepared():
             reply = peer.recv()
             assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_REQUEST
             assert "max_model_len" in reply.message
+        peer.send(gen("longer", prompt=[7] * (limit + 1)))  # refused as the frame is read: the id still comes back
+        reply = peer.recv()
+        assert isinstance(reply, Error) and reply.code is ErrorCode.TOO_LARGE and reply.request_id == "longer"
         peer.send(gen("fits"))
         assert isinstance(peer.until_result()[1], Result) and prepared == [1]
         peer.close()

@@ -162,6 +162,20 @@ def test_long_lists_are_refused_by_their_count_before_their_items_are_read(field
         Sampling(stop=("s",) * (MAX_STOPS + 1))
 
 
+def test_a_list_past_the_daemons_bound_is_refused_with_the_request_id_the_caller_waits_on():
+    """Found by fuzzing cloudd serve: the refusal came without an id, so a client (and the HTTP
+    front behind it) waited for an answer that never came."""
+    for field in ("prompt_ids", "resume_token_ids"):
+        wire = {"v": PROTOCOL_VERSION, "type": "generate", field: [1] * 9_000, "request_id": "robot-7/42"}
+        with pytest.raises(ProtocolError) as info:
+            decode(msgpack.packb(wire), max_ids=8_192)
+        assert info.value.code == ErrorCode.TOO_LARGE and info.value.request_id == "robot-7/42"
+    garbage = msgpack.packb({"v": PROTOCOL_VERSION, "prompt_ids": [1] * 9_000})[:-3]  # no id, and cut short
+    with pytest.raises(ProtocolError) as info:
+        decode(garbage, max_ids=8_192)
+    assert info.value.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_MESSAGE) and info.value.request_id is None
+
+
 def test_lists_of_plain_items_still_refuse_a_wrong_item_type():
     wire = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "a", "prompt_ids": [1, 2, True]}
     with pytest.raises(ProtocolError, match=r"prompt_ids\[2\]: expected int, got bool"):
