@@ -44,16 +44,28 @@ _WIRE_LOG.addFilter(_DropReplaced())
 
 
 class _ReasonKeepingConnection(h11.Connection):
-    """h11's connection, keeping the protocol error that made it give up (for the answer and the log)."""
+    """h11's connection, keeping the protocol error that made it give up (for the answer and the
+    log), and refusing a whole request head past ``MAX_HEAD_BYTES`` too: h11 bounds only a head
+    still arriving, so one that came in a single read passed at any size."""
 
     error: h11.RemoteProtocolError | None = None
 
     def next_event(self) -> Any:
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request) and (size := _head_bytes(event)) > MAX_HEAD_BYTES:
+                raise h11.RemoteProtocolError(f"request head of {size} bytes exceeds {MAX_HEAD_BYTES}",
+                                              error_status_hint=431)
+            return event
         except h11.RemoteProtocolError as e:
             self.error = e
             raise
+
+
+def _head_bytes(request: h11.Request) -> int:
+    """The request line and headers as sent, give or take their separators."""
+    return (len(request.method) + len(request.target) + 12
+            + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()))
 
 
 class FleetH11Protocol(H11Protocol):

@@ -1,11 +1,14 @@
 """OpenAI request bodies -> protocol ``Generate`` messages.
 
-Served fields: ``model`` (any: cloudd serves one model), ``messages`` (chat) or ``prompt``
-(completions: a non-empty string, tokenized here), ``max_tokens`` / ``max_completion_tokens``,
-``temperature`` (default 1, as OpenAI's), ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options``, ``response_format``, ``user``, and a robot team's extras: ``priority``,
-``deadline_ms``, ``robot_id``, ``request_id`` (the idempotency key; default a fresh id), ``top_k``
-and ``ignore_eos`` (as vLLM accepts them).
+Served fields: ``model`` (any: cloudd serves one model), ``messages`` (chat: roles system, user
+and assistant; content a string or a list of text parts, since the model reads nothing else) or
+``prompt`` (completions: a non-empty string, tokenized here), ``max_tokens`` /
+``max_completion_tokens``, ``temperature`` (default 1, as OpenAI's), ``top_p``, ``seed``,
+``stop``, ``stream``, ``stream_options``, ``response_format``, ``user``, and a robot team's
+extras: ``priority``, ``deadline_ms``, ``robot_id``, ``request_id`` (the idempotency key; default
+a fresh id), ``top_k`` and ``ignore_eos`` (as vLLM accepts them). Each is checked for its type
+(``stream`` and ``ignore_eos`` are JSON booleans: the string "false" is refused, not read as
+true) and range: a bad value is a 400 naming the field.
 
 Every other field is a 400 that names it (all of them at once, sorted), except the OpenAI fields
 in ``NOT_USED`` while they hold a value that means "not used" (``"logprobs": false``, ``"n": 1``,
@@ -52,6 +55,8 @@ def decode_json(raw: bytes) -> Any:
         raise BadRequest("body holds a lone UTF-16 surrogate (\\ud800-\\udfff): text must be valid Unicode") from None
     except RecursionError:
         raise BadRequest("body is nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4,300)
+        raise BadRequest(f"body holds a number it cannot read: {e}") from None
     return body
 
 
@@ -87,7 +92,7 @@ def generate_from_body(body: Any, chat: bool, tokenizer: Tokenizer | None) -> Ge
             priority=Priority(body.get("priority", Priority.PLAN.value)),
             deadline_ms=_typed(body.get("deadline_ms"), (int, type(None)), "deadline_ms"),
             robot_id=_typed(body.get("robot_id", body.get("user", "")) or "", str, "robot_id"),
-            stream=bool(body.get("stream", False)),
+            stream=_flag(body, "stream"),
         )
     except ValueError as e:
         raise BadRequest(str(e)) from None
@@ -131,12 +136,12 @@ def _sampling(body: dict) -> Sampling:
         raise BadRequest(f"stop must be a string or a list of strings, not {type(stop).__name__}")
     return Sampling(
         max_tokens=_typed(body.get("max_completion_tokens", body.get("max_tokens", 256)), int, "max_tokens"),
-        temperature=float(_typed(body.get("temperature", 1.0), (int, float), "temperature")),
-        top_p=float(_typed(body.get("top_p", 1.0), (int, float), "top_p")),
+        temperature=_real(body.get("temperature", 1.0), "temperature"),
+        top_p=_real(body.get("top_p", 1.0), "top_p"),
         top_k=_typed(body.get("top_k", 0), int, "top_k"),
         seed=_typed(body.get("seed"), (int, type(None)), "seed"),
         stop=tuple(_typed(s, str, "stop") for s in stop),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=_flag(body, "ignore_eos"),
     )
 
 
@@ -144,11 +149,42 @@ def _chat_message(i: int, m: Any) -> ChatMessage:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BadRequest(f"messages[{i}] must be an object with a string role")
     content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if isinstance(content, list):  # OpenAI content parts: text ones only (the model reads nothing else)
+        content = "".join(_text_part(i, j, part) for j, part in enumerate(content))
     if not isinstance(content, str):
-        raise BadRequest(f"messages[{i}].content must be a string")
-    return ChatMessage(m["role"], content)
+        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts")
+    try:
+        return ChatMessage(m["role"], content)
+    except ValueError as e:
+        raise BadRequest(f"messages[{i}]: {e}") from None
+
+
+def _text_part(i: int, j: int, part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise BadRequest(f"messages[{i}].content[{j}]: only text parts are served, not {kind!r}")
+    if not isinstance(part.get("text"), str):
+        raise BadRequest(f"messages[{i}].content[{j}].text must be a string")
+    return part["text"]
+
+
+def _real(value: Any, name: str) -> float:
+    """A JSON number as a float; BadRequest for another type or one past a float's range."""
+    try:
+        return float(_typed(value, (int, float), name))
+    except OverflowError:
+        raise BadRequest(f"{name} is out of range ({str(value)[:20]}...)") from None
+
+
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field (absent or null: false); BadRequest for any other type ("false" is a
+    string, and as truthy as any non-empty one)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, not {type(value).__name__}")
+    return value
 
 
 def _typed(value: Any, types: type | tuple[type, ...], name: str) -> Any:

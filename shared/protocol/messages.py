@@ -97,10 +97,19 @@ class ErrorCode(enum.Enum):
     INTERNAL = "internal"
 
 
+CHAT_ROLES = ("system", "user", "assistant")  # what the chat templates render; tools are not served
+
+
 @dataclass(frozen=True)
 class ChatMessage:
+    """One chat turn; ValueError for a role outside ``CHAT_ROLES``."""
+
     role: str
     content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"role {self.role!r}: expected one of {', '.join(CHAT_ROLES)}")
 
     def as_dict(self) -> dict[str, str]:
         """The message as chat templates and OpenAI's API take it."""

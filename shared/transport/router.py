@@ -39,7 +39,8 @@ def incoming(socket: zmq.Socket, limit: int = READ_BATCH,
     ``user_id`` is the sender's CURVE key (z85) where the connection authenticated, else None;
     ``in_process``: the sender is in this process (``inproc``: the daemon's own HTTP front). A message
     that does not decode (or has extra frames, or a list past ``max_ids``: see ``decode``) comes
-    as the ``Error`` to answer it with."""
+    as the ``Error`` to answer it with, and so does an ``error`` message a peer sent (a reply, not a
+    request: answered, never echoed back as if it were the answer)."""
     for _ in range(limit):
         try:
             frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -50,7 +51,10 @@ def incoming(socket: zmq.Socket, limit: int = READ_BATCH,
         try:
             if len(frames) != 2:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-            yield identity, user_id, in_process, payload, decode(payload, max_ids=max_ids)
+            msg = decode(payload, max_ids=max_ids)
+            if isinstance(msg, Error):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "'error' is a reply, not a request", msg.request_id)
+            yield identity, user_id, in_process, payload, msg
         except ProtocolError as e:
             yield identity, user_id, in_process, payload, Error(e.code, e.message, e.request_id)
 

@@ -79,6 +79,15 @@ def test_duplicate_differing_content_lengths_are_a_400_and_no_second_request(htt
     assert b"Content-Length" in reply
 
 
+@pytest.mark.parametrize("header_bytes", [17_000, 100_000])
+def test_a_head_past_16_kib_is_a_431_even_sent_in_one_write(http, header_bytes):
+    """Found by fuzzing cloudd serve: h11 bounds only a head still arriving, so one sent whole passed."""
+    reply = raw_http(http.url, chat_request(CHAT, f"X-Padding: {'p' * header_bytes}\r\n"))
+    assert reply.startswith(b"HTTP/1.1 431") and b"exceeds 16384" in reply
+    assert raw_http(http.url, MODELS).startswith(b"HTTP/1.1 200")  # and the server serves on
+    assert raw_http(http.url, chat_request(CHAT, f"X-Padding: {'p' * 8_000}\r\n")).startswith(b"HTTP/1.1 200")
+
+
 def test_a_chunked_body_is_read_as_the_body_of_one_request(http):
     """Found in review: with no Content-Length the body was taken as empty and the chunks parsed
     as a second request."""

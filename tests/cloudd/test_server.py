@@ -130,10 +130,13 @@ def test_a_frame_past_the_transport_limit_is_dropped_unread_and_the_server_keeps
     sender.close(), other.close()
 
 
-def test_a_reply_message_sent_as_a_request_is_refused(peer):
-    peer.send(Chunk("r", 0, (1,), "x"))
+@pytest.mark.parametrize("sent", [Chunk("r", 0, (1,), "x"), Error(ErrorCode.DEADLINE, "made up", "r")])
+def test_a_reply_message_sent_as_a_request_is_refused(peer, sent):
+    """An ``error`` too (found by fuzzing cloudd serve: it came back as sent, as if it were the answer)."""
+    peer.send(sent)
     reply = peer.recv()
     assert isinstance(reply, Error) and reply.code is ErrorCode.BAD_MESSAGE and reply.request_id == "r"
+    assert "is a reply, not a request" in reply.message
 
 
 def test_extra_frames_are_refused(peer):
