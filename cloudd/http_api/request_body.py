@@ -20,6 +20,7 @@ calls, logprobs: the engine has none of them over HTTP).
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from typing import Any
 
@@ -55,8 +56,8 @@ def decode_json(raw: bytes) -> Any:
         raise BadRequest("body holds a lone UTF-16 surrogate (\\ud800-\\udfff): text must be valid Unicode") from None
     except RecursionError:
         raise BadRequest("body is nested too deeply") from None
-    except ValueError as e:  # an integer of more digits than Python converts (4,300)
-        raise BadRequest(f"body holds a number it cannot read: {e}") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise BadRequest(f"body holds an integer of more than {sys.get_int_max_str_digits():,} digits") from None
     return body
 
 

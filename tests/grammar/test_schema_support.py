@@ -24,6 +24,9 @@ STRING, INTEGER = {"type": "string"}, {"type": "integer"}
     ({"type": "array", "items": [{"type": "array", "uniqueItems": True}]}, "schema.items[0].uniqueItems"),
     ({"$defs": {"p": {"type": "object", "dependentRequired": {"a": ["b"]}}}, "$ref": "#/$defs/p"},
      "schema.$defs.p.dependentRequired"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:1/x.json"}}},
+     "schema.properties.a.$ref 'http://127.0.0.1:1/x.json' is outside the schema"),  # re-fuzzing: any JSON passed
+    ({"$ref": "file:///etc/passwd"}, "schema.$ref 'file:///etc/passwd' is outside"),
 ])
 def test_an_unenforced_keyword_is_refused_where_it_is(schema, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("$", r"\$")):
@@ -36,6 +39,8 @@ def test_an_unenforced_keyword_is_refused_where_it_is(schema, words):
     {"anyOf": [STRING, INTEGER]},
     {"type": "array", "items": INTEGER, "uniqueItems": False},
     {"enum": ["a", "b"]},
+    {"$ref": "#/$defs/a", "$defs": {"a": STRING}},
+    {"type": "object", "properties": {"self": {"$ref": "#"}}},
 ])
 def test_enforced_schemas_pass(schema):
     check_enforced(schema)

@@ -32,6 +32,11 @@ SELF = {"$ref": "#"}
     (_ebnf('root ::= "x" | "y" rest\nrest ::= "a" rest'), "rest"),
     (_ebnf('root ::= rest* "x"\nrest ::= "a" rest'), "rest"),
     (_ebnf('root ::= a\na ::= "x" b\nb ::= "y" a'), "root"),  # through another rule
+    # reached through what may be taken zero times (found re-fuzzing: a{0,3} hid 'a', and the daemon ran out of memory)
+    (_ebnf('root ::= a{0,3}\na ::= "b" a'), "a"),
+    (_ebnf('root ::= "x" a{0,}\na ::= "b" a'), "a"),
+    (_ebnf('root ::= "x" ("b" a){0,2} "y"\na ::= "c" a'), "(root_1|a)"),  # the group is a rule of its own
+    (_ebnf('root ::= "x" (= a)\na ::= "c" a'), "a"),  # through a lookahead
     (_ebnf('root ::= TagDispatch(("<go>", go), loop_after_dispatch=false)\ngo ::= "x" go'), "go"),  # a dispatch target
     (_schema({"type": "object", "properties": {"a": SELF}, "required": ["a"]}), "root"),
     (_schema({"type": "array", "items": SELF, "minItems": 1}), "root"),

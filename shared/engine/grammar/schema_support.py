@@ -4,7 +4,8 @@ xgrammar (0.2.9) turns a schema into a grammar and passes over some keywords in 
 and ``allOf`` of several schemas become "any JSON value" (``{"allOf": [{"type": "string"},
 {"type": "integer"}]}`` answered ``null``), ``if``/``then``/``else``, ``contains``,
 ``uniqueItems`` and ``dependentSchemas``/``dependentRequired`` are left out of the grammar, and an
-empty ``anyOf``/``oneOf`` (which nothing matches) became the empty text. A robot that sent the
+empty ``anyOf``/``oneOf`` (which nothing matches) became the empty text, and a ``$ref`` outside
+the schema (a URL, a file) is neither fetched nor enforced: any JSON value passed. A robot that sent the
 constraint would get output that breaks it, with nothing said. ``check_enforced`` refuses such a
 schema, naming the keyword and where it is, so the team can write the constraint in a form that
 is enforced (the one schema of an ``allOf`` merged, an ``enum`` for a ``not``), or check it in its
@@ -38,6 +39,9 @@ def check_enforced(schema: Any) -> None:
             if keyword in node:
                 raise ValueError(f"response_format {path}.{keyword} {why}: express it another way or check it "
                                  "after the answer")
+        if isinstance(ref := node.get("$ref"), str) and ref != "#" and not ref.startswith("#/"):
+            raise ValueError(f"response_format {path}.$ref {ref[:80]!r} is outside the schema: only references "
+                             "into it ('#', '#/$defs/...') are followed, and nothing is fetched")
         if node.get("uniqueItems") is True:
             raise ValueError(f"response_format {path}.uniqueItems is not enforced: check it after the answer")
         if isinstance(all_of := node.get("allOf"), list) and len(all_of) > 1:

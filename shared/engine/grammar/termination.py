@@ -15,7 +15,8 @@ strings, character classes, rule names, groups, ``*``, ``+``, ``?`` and ``{m, n}
 calls ``Regex(...)``, ``Token(...)``, ``ExcludeToken(...)`` and ``TagDispatch(...)``), computes
 the rules that can finish as a fixpoint (a rule finishes if one alternative's elements all can;
 a literal, a regex or a token always can; ``*``, ``?`` and ``{0, n}`` can by taking nothing; a
-lookahead reads nothing; a tag dispatch can end where its free text may, and the rules it
+lookahead reads nothing; the rules reached through any of these must finish all the same, since
+output can enter them; a tag dispatch can end where its free text may, and the rules it
 dispatches to are reached through it), and refuses the grammar if a rule reachable from its
 root cannot. What it cannot read is refused too, never passed unchecked.
 """
@@ -132,14 +133,13 @@ def _alternatives(tokens: list[tuple[str, str, int]], i: int) -> tuple[Node, int
             sequence, i = [], i + 1
             continue
         element, i = _element(tokens, i)
-        if element is not None:
-            sequence.append(element)
+        sequence.append(element)
     options.append(Node("seq", parts=tuple(sequence)))
     return Node("alt", parts=tuple(options)), i
 
 
-def _element(tokens: list[tuple[str, str, int]], i: int) -> tuple[Node | None, int]:
-    """The element at token ``i`` with its repetition (None for a lookahead, which reads nothing)."""
+def _element(tokens: list[tuple[str, str, int]], i: int) -> tuple[Node, int]:
+    """The element at token ``i`` with its repetition."""
     kind, text, _ = tokens[i]
     if kind == "name" and i + 1 < len(tokens) and tokens[i + 1][1] == "(":
         node, i = _call(tokens, i)
@@ -148,9 +148,9 @@ def _element(tokens: list[tuple[str, str, int]], i: int) -> tuple[Node | None, i
         node, i = _alternatives(tokens, i + (2 if lookahead else 1))
         if i >= len(tokens):
             raise ValueError("unreadable grammar: a group is not closed")
-        if lookahead:
-            return None, i + 1
         i += 1
+        if lookahead:  # reads nothing, but the rules it names are reached
+            return _maybe(node), i
     elif kind in ("literal", "name"):
         node = _TEXT if kind == "literal" else Node("ref", name=text)
         i += 1
@@ -159,9 +159,15 @@ def _element(tokens: list[tuple[str, str, int]], i: int) -> tuple[Node | None, i
     while i < len(tokens) and (tokens[i][1] in ("*", "+", "?") or tokens[i][0] == "counted"):
         kind, text, low = tokens[i]
         if text in ("*", "?") or (kind == "counted" and low == 0):
-            node = _TEXT  # zero times finishes
+            node = _maybe(node)
         i += 1
     return node, i
+
+
+def _maybe(node: Node) -> Node:
+    """``node`` or nothing: finishes by taking nothing, and still reaches the rules ``node`` names
+    (a rule output can enter through a repetition must be able to leave it)."""
+    return Node("alt", parts=(_TEXT, node))
 
 
 def _call(tokens: list[tuple[str, str, int]], i: int) -> tuple[Node, int]:
