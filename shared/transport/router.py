@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import zmq
 
@@ -33,14 +34,26 @@ def router_socket(context: zmq.Context) -> zmq.Socket:
 READ_BATCH = 64
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A frame that did not decode as a message: ``error`` is the answer it gets. A type of its
+    own, since an ``error`` message a peer sends decodes to an ``Error`` and is a request to
+    refuse like any other reply type, not an answer to send back."""
+
+    error: Error
+
+    @property
+    def request_id(self) -> str | None:
+        return self.error.request_id
+
+
 def incoming(socket: zmq.Socket, limit: int = READ_BATCH,
-             max_ids: int | None = None) -> Iterator[tuple[bytes, str | None, bool, bytes, Message | Error]]:
+             max_ids: int | None = None) -> Iterator[tuple[bytes, str | None, bool, bytes, Message | Undecodable]]:
     """Up to ``limit`` waiting messages as ``(identity, user_id, in_process, payload, message)``:
     ``user_id`` is the sender's CURVE key (z85) where the connection authenticated, else None;
     ``in_process``: the sender is in this process (``inproc``: the daemon's own HTTP front). A message
     that does not decode (or has extra frames, or a list past ``max_ids``: see ``decode``) comes
-    as the ``Error`` to answer it with, and so does an ``error`` message a peer sent (a reply, not a
-    request: answered, never echoed back as if it were the answer)."""
+    as ``Undecodable``."""
     for _ in range(limit):
         try:
             frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -51,12 +64,9 @@ def incoming(socket: zmq.Socket, limit: int = READ_BATCH,
         try:
             if len(frames) != 2:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"expected one frame per message, got {len(frames) - 1}")
-            msg = decode(payload, max_ids=max_ids)
-            if isinstance(msg, Error):
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, "'error' is a reply, not a request", msg.request_id)
-            yield identity, user_id, in_process, payload, msg
+            yield identity, user_id, in_process, payload, decode(payload, max_ids=max_ids)
         except ProtocolError as e:
-            yield identity, user_id, in_process, payload, Error(e.code, e.message, e.request_id)
+            yield identity, user_id, in_process, payload, Undecodable(Error(e.code, e.message, e.request_id))
 
 
 def _user_id(frame: zmq.Frame) -> str | None:

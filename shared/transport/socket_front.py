@@ -25,7 +25,7 @@ from shared.protocol.codec import encode
 from shared.protocol.messages import Error, ErrorCode, Health, Message
 from shared.transport.curve import ServerCurve
 from shared.transport.quota import RobotQuotas
-from shared.transport.router import incoming, relay_replies, router_socket, send_nowait, thread_pipe
+from shared.transport.router import Undecodable, incoming, relay_replies, router_socket, send_nowait, thread_pipe
 
 POLL_MS = 100  # how often the thread looks at its stop flag when nothing arrives
 
@@ -114,8 +114,8 @@ class SocketFront:
             elif user_id is not None and self.curve is not None and not self.curve.allows(user_id):
                 self._reply(identity, Error(ErrorCode.UNAVAILABLE, "this client's CURVE key is no longer authorized",
                                             getattr(msg, "request_id", None)))
-            elif isinstance(msg, Error):
-                self._reply(identity, msg)
+            elif isinstance(msg, Undecodable):
+                self._reply(identity, msg.error)
             elif isinstance(msg, Health):
                 self._reply(identity, Health(self._health()))
             else:
