@@ -46,7 +46,7 @@ def test_enforced_schemas_pass(schema):
     check_enforced(schema)
 
 
-def test_the_fleet_plan_schema_passes_and_a_bad_one_is_refused_at_parse():
+def test_the_fleet_plan_schema_passes_and_a_bad_one_is_refused_at_submit():
     parse_grammar(grammar_spec({"type": "skills", "skills": FLEET_SKILLS}))
     with pytest.raises(ValueError, match="allOf"):
         parse_grammar(grammar_spec({"type": "json_schema", "json_schema": {"schema": {"allOf": [STRING, INTEGER]}}}))

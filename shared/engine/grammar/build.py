@@ -4,13 +4,11 @@ naming the problem: what a compile worker runs (``compile_worker``) and the chea
 
 from __future__ import annotations
 
-import json
 import re
 
 import xgrammar as xgr
 
 from shared.engine.grammar.response_format import GrammarSpec
-from shared.engine.grammar.schema_support import check_enforced
 from shared.engine.grammar.termination import check_rules_finish
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a check text.
@@ -28,8 +26,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Compil
 
 def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The xgrammar Grammar of `spec` (no token masks yet); ValueError naming the problem,
-    including a schema keyword it would not enforce (``schema_support``) and a rule that can
-    never finish (``termination``)."""
+    including a rule that can never finish (``termination``)."""
     grammar = _xgr_grammar(spec)
     try:
         check_rules_finish(str(grammar))
@@ -39,8 +36,6 @@ def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
 
 
 def _xgr_grammar(spec: GrammarSpec) -> xgr.Grammar:
-    if spec.kind == "json_schema":
-        check_enforced(json.loads(spec.source))
     try:
         if spec.kind == "json_schema":
             return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)

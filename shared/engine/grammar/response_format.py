@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shared.engine.grammar.limits import check_grammar_limits
+from shared.engine.grammar.schema_support import check_enforced
 from shared.plan.schema import DEFAULT_MAX_STEPS, nonempty_str, plan_schema
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
@@ -125,7 +126,8 @@ def _spec_of(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
 
 
 def _json_schema_of(response_format: Mapping[str, Any]) -> dict[str, Any]:
-    """The schema of the OpenAI shape (`json_schema.schema`) or of the flat one (`schema`)."""
+    """The schema of the OpenAI shape (`json_schema.schema`) or of the flat one (`schema`);
+    ValueError for a keyword the grammar would not enforce (``schema_support``)."""
     if "json_schema" in response_format:
         wrapper = response_format["json_schema"]
         if not isinstance(wrapper, Mapping):
@@ -137,6 +139,7 @@ def _json_schema_of(response_format: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{where}: missing")
     if not isinstance(schema, Mapping):
         raise ValueError(f"{where}: expected an object, got {type(schema).__name__}")
+    check_enforced(schema)
     return dict(schema)
 
 
