@@ -228,11 +228,10 @@ def _cloudd_server(opts: OnlineOptions) -> Iterator[str]:
                                       "--zmq-port", "0"], ready="cloudd ready:", timeout_s=CLOUDD_READY_TIMEOUT_S)
     try:
         yield daemon.fields["http"]
-    except Exception as e:  # the run's own error, with the server's side of it
+    except BaseException as e:
         daemon.kill()
-        raise RuntimeError(f"{e}\nthe end of cloudd serve's log:\n{daemon.log(SERVER_LOG_TAIL_BYTES)}") from e
-    except BaseException:  # an interrupt
-        daemon.kill()
+        if isinstance(e, Exception):  # the run's own error, with the server's side of it (not an interrupt)
+            raise RuntimeError(f"{e}\nthe end of cloudd serve's log:\n{daemon.log(SERVER_LOG_TAIL_BYTES)}") from e
         raise
     try:
         code = daemon.terminate()
